@@ -1,0 +1,203 @@
+"""Mamba-2 state-space duality (SSD): the recurrence, its chunked forms, and the dispatch between them.
+
+Every implementation computes, per head, with the discretised decay a_t = exp(dt_t * A):
+
+    state_t = a_t * state_{t-1} + dt_t * x_t (outer) B_t          state: (p, n)
+    y_t     = state_t @ C_t + D * x_t
+
+Shapes: x (b, L, h, p); dt (b, L, h) after softplus and clamp; A, D (h,); B, C (b, L, g, n) with head i reading
+group i // (h // g); state (b, h, p, n) in float32.
+
+- `ssd_step` is the one-token recurrence (decode) and `ssd_reference` scans it: the definition, used as the float64
+  oracle in tests and by the kernels' tests.
+- `ssd_chunked` is the chunked algorithm (Mamba-2 paper §6, `ssd_minimal.py`) with einsum contractions: `"xla"`.
+- `ssd_chunked_naive` is the same algorithm as transformers' historical `torch_forward` wrote it, every contraction a
+  broadcast product followed by a sum (sites S1-S6 of granite4.md §3.2): `"naive"`, the rewriter's input.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def ssd(
+    x: Array,
+    dt: Array,
+    A: Array,
+    B: Array,
+    C: Array,
+    D: Array,
+    *,
+    chunk_size: int,
+    initial_state: Array | None = None,
+    impl: str = "xla",
+) -> tuple[Array, Array]:
+    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32."""
+    if impl == "xla":
+        return ssd_chunked(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+    if impl == "naive":
+        return ssd_chunked_naive(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+    if impl == "pallas":
+        from pallas_kernels import ssd_prefill
+
+        return ssd_prefill(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+    raise ValueError(f"ssd impl: unknown implementation {impl!r}; expected 'xla', 'naive' or 'pallas'")
+
+
+# ---------------------------------------------------------------------------------------------- the recurrence
+
+
+def ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array) -> tuple[Array, Array]:
+    """One token: state (b, h, p, n), x (b, h, p), dt (b, h), B and C (b, g, n). Returns (y (b, h, p), new state)."""
+    h, g = x.shape[1], B.shape[1]
+    f32 = jnp.float32
+    Bh = jnp.repeat(B.astype(f32), h // g, axis=1)
+    Ch = jnp.repeat(C.astype(f32), h // g, axis=1)
+    dt = dt.astype(f32)
+    x32 = x.astype(f32)
+    decay = jnp.exp(dt * A.astype(f32))
+    state = state * decay[:, :, None, None] + jnp.einsum("bh,bhp,bhn->bhpn", dt, x32, Bh, precision=_HIGHEST)
+    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=_HIGHEST) + D.astype(f32)[:, None] * x32
+    return y, state
+
+
+def ssd_reference(
+    x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, initial_state: Array | None = None
+) -> tuple[Array, Array]:
+    """The recurrence scanned token by token, in the inputs' precision (float64 inputs give a float64 oracle)."""
+    b, _, h, p = x.shape
+    n = B.shape[-1]
+    dtype = jnp.result_type(x.dtype, jnp.float32)
+    state = jnp.zeros((b, h, p, n), dtype) if initial_state is None else initial_state.astype(dtype)
+
+    def step(state, inputs):
+        xt, dtt, Bt, Ct = inputs
+        Bh = jnp.repeat(Bt, h // Bt.shape[1], axis=1).astype(dtype)
+        Ch = jnp.repeat(Ct, h // Ct.shape[1], axis=1).astype(dtype)
+        state = state * jnp.exp(dtt * A)[:, :, None, None] + (dtt[:, :, None] * xt)[..., None] * Bh[:, :, None, :]
+        return state, (state * Ch[:, :, None, :]).sum(-1) + D[:, None] * xt
+
+    xs = tuple(jnp.moveaxis(t.astype(dtype), 1, 0) for t in (x, dt, B, C))
+    state, ys = lax.scan(step, state, xs)
+    return jnp.moveaxis(ys, 0, 1), state
+
+
+# ---------------------------------------------------------------------------------------------- chunked: shared
+
+
+def segsum(a: Array) -> Array:
+    """out[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j, -inf above the diagonal.
+
+    Summed with a masked cumsum rather than as a difference of cumsums, so long chunks of fast-decaying heads keep
+    their precision (transformers' `segment_sum`).
+    """
+    t = a.shape[-1]
+    strictly_lower = jnp.tril(jnp.ones((t, t), bool), -1)
+    sums = jnp.cumsum(jnp.where(strictly_lower, a[..., :, None], 0.0), axis=-2)
+    return jnp.where(jnp.tril(jnp.ones((t, t), bool)), sums, -jnp.inf)
+
+
+def _to_chunks(t: Array, chunk_size: int) -> Array:
+    """(b, L, ...) -> (b, c, l, ...), zero-padding L up to a multiple of the chunk."""
+    pad = -t.shape[1] % chunk_size
+    t = jnp.pad(t, [(0, 0), (0, pad)] + [(0, 0)] * (t.ndim - 2))
+    return t.reshape(t.shape[0], -1, chunk_size, *t.shape[2:])
+
+
+def _discretise(x: Array, dt: Array, A: Array, chunk_size: int) -> tuple[Array, Array]:
+    """x * dt as (b, c, l, h, p) and the per-chunk cumulative log-decay cumsum(A * dt) as (b, h, c, l), float32."""
+    f32 = jnp.float32
+    xdt = _to_chunks(x.astype(f32) * dt.astype(f32)[..., None], chunk_size)
+    a = _to_chunks(A.astype(f32) * dt.astype(f32), chunk_size)  # (b, c, l, h)
+    return xdt, jnp.moveaxis(a, 3, 1)
+
+
+def _finish(y: Array, x: Array, D: Array, length: int) -> Array:
+    """(b, c, l, h, p) -> (b, L, h, p), plus the D skip connection."""
+    y = y.reshape(y.shape[0], -1, *y.shape[3:])[:, :length]
+    return y + D.astype(jnp.float32)[:, None] * x.astype(jnp.float32)
+
+
+def _initial(initial_state: Array | None, like: Array) -> Array:
+    return jnp.zeros_like(like) if initial_state is None else initial_state.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------- chunked: einsum
+
+
+def ssd_chunked(
+    x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, chunk_size: int, initial_state: Array | None = None
+) -> tuple[Array, Array]:
+    """Chunked SSD with dot_general contractions; G = C.B is computed once per group, not per head."""
+    b, length, h, p = x.shape
+    g, n = B.shape[2:]
+    r = h // g
+    xdt, a = _discretise(x, dt, A, chunk_size)
+    c = xdt.shape[1]
+    xdt = xdt.reshape(b, c, chunk_size, g, r, p)
+    a = a.reshape(b, g, r, c, chunk_size)
+    Bc, Cc = (_to_chunks(t.astype(jnp.float32), chunk_size) for t in (B, C))  # (b, c, l, g, n)
+    a_cs = jnp.cumsum(a, axis=-1)
+    ein = lambda spec, *ops: jnp.einsum(spec, *ops, precision=_HIGHEST)
+
+    # Intra-chunk (diagonal blocks): attention-like scores C.B masked by the decay between positions.
+    G = ein("bclgn,bcsgn->bgcls", Cc, Bc)
+    M = G[:, :, None] * jnp.exp(segsum(a))  # (b, g, r, c, l, s)
+    y_diag = ein("bgrcls,bcsgrp->bclgrp", M, xdt)
+
+    # Each chunk's contribution to the state at its end, then the recurrence across chunk boundaries.
+    decay_to_end = jnp.exp(a_cs[..., -1:] - a_cs)  # (b, g, r, c, l)
+    chunk_states = ein("bclgn,bgrcl,bclgrp->bcgrpn", Bc, decay_to_end, xdt)
+    init = _initial(initial_state, jnp.zeros((b, h, p, n), jnp.float32)).reshape(b, 1, g, r, p, n)
+    chunk_states = jnp.concatenate([init, chunk_states], axis=1)  # (b, c+1, g, r, p, n)
+    chunk_decay = jnp.exp(segsum(jnp.pad(a_cs[..., -1], [(0, 0)] * 3 + [(1, 0)])))  # (b, g, r, c+1, c+1)
+    states = ein("bgrzs,bsgrpn->bzgrpn", chunk_decay, chunk_states)
+    final_state = states[:, -1].reshape(b, h, p, n)
+
+    # Inter-chunk (off-diagonal blocks): each chunk's start state read out by C, decayed to each position.
+    y_off = ein("bclgn,bcgrpn,bgrcl->bclgrp", Cc, states[:, :-1], jnp.exp(a_cs))
+    y = (y_diag + y_off).reshape(b, c, chunk_size, h, p)
+    return _finish(y, x, D, length), final_state
+
+
+# ---------------------------------------------------------------------------------------------- chunked: naive
+
+
+def ssd_chunked_naive(
+    x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, chunk_size: int, initial_state: Array | None = None
+) -> tuple[Array, Array]:
+    """The chunked SSD as transformers' `torch_forward` wrote it before einsums: broadcast products plus sums.
+
+    Kept deliberately unoptimised (it materialises e.g. a (b, c, l, s, h, n) product for G) as the input of the
+    `rewriter` package. Site names follow granite4.md §3.2.
+    """
+    b, length, h, p = x.shape
+    g, n = B.shape[2:]
+    xdt, a = _discretise(x, dt, A, chunk_size)  # (b, c, l, h, p), (b, h, c, l)
+    Bc, Cc = (_to_chunks(jnp.repeat(t.astype(jnp.float32), h // g, axis=2), chunk_size) for t in (B, C))
+    a_cs = jnp.cumsum(a, axis=-1)
+    L = jnp.exp(segsum(a))  # (b, h, c, l, s)
+
+    G = (Cc[:, :, :, None, :, :] * Bc[:, :, None, :, :, :]).sum(-1)  # S1: (b, c, l, s, h)
+    M = (G[..., None] * jnp.transpose(L, (0, 2, 3, 4, 1))[..., None]).sum(-1)  # S2: sum over a unit axis
+    y_diag = (M[..., None] * xdt[:, :, None]).sum(3)  # S3: (b, c, l, h, p)
+
+    decay_states = jnp.exp(a_cs[:, :, :, -1:] - a_cs)  # (b, h, c, l)
+    B_decay = Bc * jnp.transpose(decay_states, (0, 2, 3, 1))[..., None]
+    states = (B_decay[..., None, :] * xdt[..., None]).sum(2)  # S4: (b, c, h, p, n)
+
+    init = _initial(initial_state, states[:, 0])
+    states = jnp.concatenate([init[:, None], states], axis=1)
+    decay_chunk = jnp.exp(segsum(jnp.pad(a_cs[:, :, :, -1], [(0, 0), (0, 0), (1, 0)])))  # (b, h, z, s)
+    decay_chunk = jnp.transpose(decay_chunk, (0, 3, 2, 1))  # (b, s, z, h)
+    new_states = (decay_chunk[..., None, None] * states[:, :, None]).sum(1)  # S5: (b, z, h, p, n)
+    states, final_state = new_states[:, :-1], new_states[:, -1]
+
+    C_times_states = Cc[..., None, :] * states[:, :, None]  # S6: (b, c, l, h, p, n)
+    y_off = C_times_states.sum(-1) * jnp.transpose(jnp.exp(a_cs), (0, 2, 3, 1))[..., None]
+    return _finish(y_diag + y_off, x, D, length), final_state
