@@ -75,10 +75,13 @@ class ModelConfig:
                     f"mamba_expand * hidden_size = {self.mamba_d_inner}"
                 )
             if self.mamba_n_heads % self.mamba_n_groups:
-                raise ConfigError(f"mamba_n_groups={self.mamba_n_groups} does not divide mamba_n_heads={self.mamba_n_heads}")
+                raise ConfigError(
+                    f"mamba_n_groups={self.mamba_n_groups} does not divide mamba_n_heads={self.mamba_n_heads}"
+                )
         if self.num_local_experts and not 0 < self.num_experts_per_tok <= self.num_local_experts:
             raise ConfigError(
-                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts={self.num_local_experts}]"
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                f"[1, num_local_experts={self.num_local_experts}]"
             )
         if self.rope_theta is not None and self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")

@@ -1,0 +1,397 @@
+"""Granite 4.0 (GraniteMoeHybrid) in Flax NNX: hybrid Mamba-2 / attention decoder with MoE and a shared MLP.
+
+A port of transformers' `GraniteMoeHybridForCausalLM` (see `shared/reference/granite4.md` §2-§4), readable top to
+bottom: norms, the Mamba-2 mixer, attention, the MoE and the shared MLP, the decoder layer, the model.
+Attribute names mirror the Hugging Face checkpoint so that `params.py` is a plain table.
+
+Batches are left-padded: `pad[b]` is the number of padding tokens before row b's prompt. Padding never reaches a real
+token: attention masks it out and the Mamba mixer zeroes it before and after the causal conv, so its state stays
+exactly that of the prompt run alone. The decode cache is a pytree (`Cache`) passed in and returned, never stored in
+the module, so one jitted step can donate it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+
+from granite_jax.config import ATTENTION, MAMBA, ModelConfig
+from granite_jax.ssd import ssd, ssd_step
+
+Array = jax.Array
+_MASKED = -1e30  # finite, so fully masked (padding) rows give a harmless uniform softmax instead of NaN
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MambaState:
+    conv: Array  # (b, K-1, conv_dim): the last K-1 pre-activation conv inputs, in the activation dtype
+    ssm: Array  # (b, h, p, n) float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVState:
+    k: Array  # (b, S, kv_heads, head_dim)
+    v: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+    """Decode state of every layer. Slot s of row b holds that row's token s - pad[b]; `index` is the next slot."""
+
+    layers: tuple[MambaState | KVState, ...]
+    pad: Array  # (b,) int32
+    index: Array  # () int32
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, pad: Array | None = None) -> Cache:
+        layers = []
+        for kind in cfg.layer_types:
+            if kind == MAMBA:
+                conv = jnp.zeros((batch, cfg.mamba_d_conv - 1, cfg.mamba_conv_dim), dtype)
+                ssm_shape = (batch, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
+                layers.append(MambaState(conv, jnp.zeros(ssm_shape, jnp.float32)))
+            else:
+                kv_shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                layers.append(KVState(jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)))
+        pad = jnp.zeros((batch,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
+        return cls(tuple(layers), pad, jnp.zeros((), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        kv = [s for s in self.layers if isinstance(s, KVState)]
+        return kv[0].k.shape[1] if kv else 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Positions:
+    """Where the current tokens sit: slots of queries and keys, and which of them are real (not padding)."""
+
+    query_slots: Array  # (T,) slot of each current token
+    key_slots: Array  # (S,) slot of each attended key: the segment itself, or the whole KV cache
+    pad: Array  # (b,)
+
+    @property
+    def token_mask(self) -> Array:  # (b, T) True for real tokens
+        return self.query_slots[None, :] >= self.pad[:, None]
+
+    @property
+    def positions(self) -> Array:  # (b, T) position of each token in its own sequence (RoPE)
+        return jnp.maximum(self.query_slots[None, :] - self.pad[:, None], 0)
+
+    def attention_mask(self) -> Array:  # (b, T, S): causal, and no padding keys
+        causal = self.key_slots[None, :] <= self.query_slots[:, None]
+        return causal[None] & (self.key_slots[None, None, :] >= self.pad[:, None, None])
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+def rms_normalize(x: Array, eps: float) -> Array:
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        return (self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """norm(y * silu(z)) with one RMS statistic per group of d_inner / n_groups channels (gate before the norm)."""
+
+    def __init__(self, dim: int, groups: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.groups, self.eps = groups, eps
+
+    def __call__(self, y: Array, z: Array, dtype) -> Array:
+        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+        grouped = gated.reshape(*gated.shape[:-1], self.groups, -1)
+        normed = rms_normalize(grouped, self.eps).reshape(gated.shape)
+        return (self.weight[...] * normed.astype(dtype)).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------- Mamba-2 mixer
+
+
+def causal_conv(x: Array, history: Array, weight: Array, bias: Array | None) -> tuple[Array, Array]:
+    """Depthwise causal conv over time. x (b, T, C), history (b, K-1, C), weight (K, C). Returns (out, new history)."""
+    K, T = weight.shape[0], x.shape[1]
+    padded = jnp.concatenate([history.astype(x.dtype), x], axis=1)  # (b, K-1+T, C)
+    w = weight.astype(jnp.float32)
+    out = sum(padded[:, k : k + T].astype(jnp.float32) * w[k] for k in range(K))
+    if bias is not None:
+        out = out + bias.astype(jnp.float32)
+    return out, padded[:, T:]
+
+
+class MambaMixer(nnx.Module):
+    """Mamba-2 mixer: in_proj -> [z | xBC | dt]; causal conv + SiLU on xBC -> [x | B | C]; SSD; gated norm; out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        h, conv_dim = cfg.mamba_n_heads, cfg.mamba_conv_dim
+        linear = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.in_proj = nnx.Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
+        bound = 1 / math.sqrt(cfg.mamba_d_conv)
+        self.conv_weight = nnx.Param(
+            jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
+        )
+        self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype)) if cfg.mamba_conv_bias else None
+        self.dt_bias = nnx.Param(jnp.ones((h,), param_dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(param_dtype))
+        self.D = nnx.Param(jnp.ones((h,), param_dtype))
+        self.norm = GatedRMSNorm(cfg.mamba_d_inner, cfg.mamba_n_groups, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.out_proj = nnx.Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear)
+
+    def __call__(
+        self, x: Array, token_mask: Array | None = None, state: MambaState | None = None
+    ) -> tuple[Array, MambaState]:
+        cfg = self.cfg
+        b, T, _ = x.shape
+        h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
+        keep = (lambda t: t) if token_mask is None else (lambda t: t * token_mask[..., None].astype(t.dtype))
+
+        z, xBC, dt = jnp.split(self.in_proj(keep(x)), [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
+        history = jnp.zeros((b, cfg.mamba_d_conv - 1, cfg.mamba_conv_dim), xBC.dtype) if state is None else state.conv
+        conv_bias = None if self.conv_bias is None else self.conv_bias[...]
+        xBC, new_history = causal_conv(xBC, history, self.conv_weight[...], conv_bias)
+        xs, B, C = jnp.split(keep(jax.nn.silu(xBC)), [h * p, h * p + g * n], -1)
+
+        lo, hi = cfg.time_step_limit
+        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)), lo, hi)
+        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        D = self.D[...].astype(jnp.float32)
+        xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
+        if state is not None and T == 1:
+            y, ssm = self._decode_step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+            y = y[:, None]
+        else:
+            initial = None if state is None else state.ssm
+            y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=initial, impl=cfg.ssd_impl)
+        out = self.out_proj(self.norm(y.reshape(b, T, h * p), z, self.dtype))
+        return out, MambaState(new_history.astype(history.dtype), ssm)
+
+    def _decode_step(self, state, x, dt, A, B, C, D):
+        if self.cfg.ssd_impl == "pallas":
+            from pallas_kernels import ssd_decode
+
+            return ssd_decode(state, x, dt, A, B, C, D)
+        return ssd_step(state, x, dt, A, B, C, D)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+    """Neox-style rotary embedding (rotate_half). x (b, T, heads, d), positions (b, T)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (b, T, d/2)
+    cos, sin = (jnp.concatenate([f(angles)] * 2, -1)[:, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention; the softmax scale is `attention_multiplier`; NoPE unless `rope_theta` is set."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, hd = cfg.hidden_size, cfg.head_dim
+        linear = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(H, cfg.num_attention_heads * hd, **linear)
+        self.k_proj = nnx.Linear(H, cfg.num_key_value_heads * hd, **linear)
+        self.v_proj = nnx.Linear(H, cfg.num_key_value_heads * hd, **linear)
+        self.o_proj = nnx.Linear(cfg.num_attention_heads * hd, H, **linear)
+
+    def __call__(self, x: Array, pos: Positions, state: KVState | None = None) -> tuple[Array, KVState | None]:
+        cfg = self.cfg
+        b, T, _ = x.shape
+        kv, rep, hd = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+        q = self.q_proj(x).reshape(b, T, kv * rep, hd)
+        k = self.k_proj(x).reshape(b, T, kv, hd)
+        v = self.v_proj(x).reshape(b, T, kv, hd)
+        if cfg.rope_theta is not None:
+            q, k = rope(q, pos.positions, cfg.rope_theta), rope(k, pos.positions, cfg.rope_theta)
+        if state is not None:
+            start = (0, pos.query_slots[0], 0, 0)
+            state = KVState(
+                lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
+                lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
+            )
+            k, v = state.k.astype(x.dtype), state.v.astype(x.dtype)
+        q = q.reshape(b, T, kv, rep, hd)
+        scores = jnp.einsum("btkrd,bskd->bkrts", q, k).astype(jnp.float32) * cfg.attention_multiplier
+        scores = jnp.where(pos.attention_mask()[:, None, None], scores, _MASKED)
+        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkrts,bskd->btkrd", probs, v).reshape(b, T, kv * rep * hd)
+        return self.o_proj(out), state
+
+
+# ---------------------------------------------------------------------------------------------- feed-forward
+
+
+class SharedMLP(nnx.Module):
+    """SwiGLU with fused [gate | up] input projection."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        linear = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_linear = nnx.Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, **linear)
+        self.output_linear = nnx.Linear(cfg.shared_intermediate_size, cfg.hidden_size, **linear)
+
+    def __call__(self, x: Array) -> Array:
+        gate, up = jnp.split(self.input_linear(x), 2, axis=-1)
+        return self.output_linear(jax.nn.silu(gate) * up)
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts: top-k over raw router logits, softmax over the k chosen, SwiGLU experts [gate | up]."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        init = nnx.initializers.normal(0.02)
+        self.router = nnx.Linear(H, E, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_linear = nnx.Param(init(rngs.params(), (E, H, 2 * F), param_dtype))
+        self.output_linear = nnx.Param(init(rngs.params(), (E, F, H), param_dtype))
+
+    def __call__(self, x: Array) -> Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        logits = self.router(x).astype(jnp.float32)
+        top_logits, experts = lax.top_k(logits, self.cfg.num_experts_per_tok)  # (N, k)
+        gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
+        # Few tokens (decode): read only the chosen experts' weights. Many (prefill): group tokens by expert.
+        route = self._gathered if x.shape[0] * experts.shape[1] <= 64 else self._grouped
+        return route(x, experts, gates).reshape(shape)
+
+    def _swiglu(self, h: Array) -> Array:
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    def _gathered(self, x: Array, experts: Array, gates: Array) -> Array:
+        w_in = self.input_linear[...][experts].astype(self.dtype)  # (N, k, H, 2I)
+        w_out = self.output_linear[...][experts].astype(self.dtype)  # (N, k, I, H)
+        h = self._swiglu(jnp.einsum("nd,nkdf->nkf", x, w_in))
+        return jnp.einsum("nkf,nkfd,nk->nd", h, w_out, gates)
+
+    def _grouped(self, x: Array, experts: Array, gates: Array) -> Array:
+        N, k = experts.shape
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tokens = order // k
+        group_sizes = jnp.bincount(flat, length=self.cfg.num_local_experts).astype(jnp.int32)
+        w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
+        h = self._swiglu(lax.ragged_dot(x[tokens], w_in, group_sizes))
+        y = lax.ragged_dot(h, w_out, group_sizes) * gates.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[tokens].add(y)
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.kind, self.residual_multiplier = kind, cfg.residual_multiplier
+        kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mamba = MambaMixer(cfg, **kw) if kind == MAMBA else None
+        self.self_attn = Attention(cfg, **kw) if kind == ATTENTION else None
+        self.block_sparse_moe = MoE(cfg, **kw) if cfg.num_local_experts else None
+        self.shared_mlp = SharedMLP(cfg, **kw)
+
+    def __call__(self, x: Array, pos: Positions, state):
+        h = self.input_layernorm(x)
+        if self.mamba is not None:
+            h, state = self.mamba(h, pos.token_mask, state)
+        else:
+            h, state = self.self_attn(h, pos, state)
+        x = x + h * self.residual_multiplier
+        h = self.post_attention_layernorm(x)
+        ffn = self.shared_mlp(h)
+        if self.block_sparse_moe is not None:
+            ffn = self.block_sparse_moe(h) + ffn
+        return x + ffn * self.residual_multiplier, state
+
+
+class Granite(nnx.Module):
+    """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Linear(
+                cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+        )
+
+    def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:
+        """Logits (b, T, vocab) of left-padded tokens (b, T); `pad[b]` counts row b's padding tokens."""
+        logits, _, _ = self.forward(tokens, pad=pad)
+        return logits
+
+    def forward(
+        self,
+        tokens: Array,
+        *,
+        pad: Array | None = None,
+        cache: Cache | None = None,
+        last_only: bool = False,
+        return_hidden: bool = False,
+    ) -> tuple[Array, Cache | None, tuple[Array, ...]]:
+        """Run tokens (b, T) from the cache's state (or from scratch). Returns (logits, new cache, layer outputs).
+
+        With a cache the tokens occupy slots [cache.index, cache.index + T) and `pad` is taken from the cache.
+        `last_only` computes logits for the last position only (prefill); `return_hidden` collects every layer's output.
+        """
+        b, T = tokens.shape
+        if cache is not None:
+            query_slots = cache.index + jnp.arange(T, dtype=jnp.int32)
+            pos = Positions(query_slots, jnp.arange(cache.max_len, dtype=jnp.int32), cache.pad)
+        else:
+            slots = jnp.arange(T, dtype=jnp.int32)
+            pos = Positions(slots, slots, jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32))
+        x = self.embed_tokens(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
+        hidden, states = [], []
+        for i, layer in enumerate(self.layers):
+            x, state = layer(x, pos, None if cache is None else cache.layers[i])
+            states.append(state)
+            if return_hidden:
+                hidden.append(x)
+        x = self.norm(x[:, -1:] if last_only else x)
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        logits = logits / self.cfg.logits_scaling
+        new_cache = None if cache is None else Cache(tuple(states), cache.pad, cache.index + T)
+        return logits, new_cache, tuple(hidden)
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Granite:
+    """The model with shape-only parameters: nothing is allocated (for parameter counts and loading)."""
+    return nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+
+
+def count_params(model: Granite) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,202 @@
+"""Hugging Face safetensors checkpoint -> Flax NNX state.
+
+A table maps every checkpoint name to a path in the NNX state and a transform (torch Linear weights are [out, in],
+Flax kernels [in, out]); each tensor's shape is checked against the abstract model before it is placed. Tensors are
+read one at a time and cast to the requested dtype, so peak host memory stays near one copy of the model.
+Only safetensors are read: pickled `.bin`/`.pt` checkpoints are refused, never unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from granite_jax.config import ModelConfig
+from granite_jax.model import Granite, abstract_model
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory or file that cannot be loaded as it is; the message names the file and tensor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """How a checkpoint tensor becomes an NNX parameter, and the checkpoint shape a parameter shape implies."""
+
+    apply: Callable[[Any], Any]
+    source_shape: Callable[[tuple[int, ...]], tuple[int, ...]]
+
+
+KEEP = Transform(lambda w: w, lambda s: s)
+LINEAR = Transform(lambda w: w.T, lambda s: s[::-1])  # torch Linear [out, in] -> Flax kernel [in, out]
+EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
+CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
+
+# (checkpoint name regex, NNX state path template, transform)
+_L = r"model\.layers\.(\d+)\."
+NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
+    (r"model\.embed_tokens\.weight", "embed_tokens.embedding", KEEP),
+    (r"model\.norm\.weight", "norm.weight", KEEP),
+    (r"lm_head\.weight", "lm_head.kernel", LINEAR),
+    (_L + r"(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", KEEP),
+    (_L + r"mamba\.(in_proj|out_proj)\.weight", r"layers.\1.mamba.\2.kernel", LINEAR),
+    (_L + r"mamba\.conv1d\.weight", r"layers.\1.mamba.conv_weight", CONV),
+    (_L + r"mamba\.conv1d\.bias", r"layers.\1.mamba.conv_bias", KEEP),
+    (_L + r"mamba\.(dt_bias|A_log|D)", r"layers.\1.mamba.\2", KEEP),
+    (_L + r"mamba\.norm\.weight", r"layers.\1.mamba.norm.weight", KEEP),
+    (_L + r"self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", LINEAR),
+    (_L + r"block_sparse_moe\.router\.layer\.weight", r"layers.\1.block_sparse_moe.router.kernel", LINEAR),
+    (_L + r"block_sparse_moe\.(input|output)_linear\.weight", r"layers.\1.block_sparse_moe.\2_linear", EXPERTS),
+    (_L + r"shared_mlp\.(input|output)_linear\.weight", r"layers.\1.shared_mlp.\2_linear.kernel", LINEAR),
+)
+
+
+def map_name(name: str) -> tuple[str, Transform] | None:
+    """The NNX state path and transform for a checkpoint tensor name, or None if the name is not a model tensor."""
+    for pattern, target, transform in NAME_MAP:
+        if m := re.fullmatch(pattern, name):
+            return m.expand(target), transform
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files of a HF checkpoint directory (single file or sharded with an index)."""
+    d = os.fspath(model_dir)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: model directory not found")
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        missing = [s for s in shards if not os.path.isfile(os.path.join(d, s))]
+        if missing:
+            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(d, s) for s in shards]
+    single = os.path.join(d, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    pickles = [f for f in os.listdir(d) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    if pickles:
+        raise CheckpointError(
+            f"{d}: found only pickled weights ({', '.join(sorted(pickles))}); granite-jax never unpickles files. "
+            "Convert them to safetensors first, e.g. with transformers: "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)"
+        )
+    raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def iter_tensors(files: list[str]) -> Iterator[tuple[str, str, Any]]:
+    """Yield (file, name, array) one tensor at a time."""
+    for path in files:
+        try:
+            handle = safe_open(path, framework="flax")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+        with handle as f:
+            for name in f.keys():
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: tensor {name!r} cannot be read, file truncated? ({e})") from None
+                yield path, name, tensor
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(model_dir: str | os.PathLike) -> ModelConfig:
+    d = os.fspath(model_dir)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: model directory not found")
+    return ModelConfig.from_json(os.path.join(d, "config.json"))
+
+
+def load_model(
+    model_dir: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    cfg: ModelConfig | None = None,
+    ssd_impl: str | None = None,
+    progress: bool = False,
+) -> Granite:
+    """Load a Hugging Face GraniteMoeHybrid checkpoint directory into a `Granite` model."""
+    cfg = cfg or load_config(model_dir)
+    if ssd_impl is not None:
+        cfg = cfg.replace(ssd_impl=ssd_impl)
+    param_dtype = param_dtype or dtype
+    files = checkpoint_files(model_dir)
+    abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
+    graphdef, state = nnx.split(abstract)
+    expected = _flatten(nnx.to_pure_dict(state))
+    values = _read_checkpoint(files, expected, param_dtype, progress)
+    nnx.replace_by_pure_dict(state, _unflatten(values))
+    return nnx.merge(graphdef, state)
+
+
+def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: bool) -> dict[str, jax.Array]:
+    values: dict[str, jax.Array] = {}
+    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress)
+    for path, name, tensor in iter_tensors(files):
+        mapped = map_name(name)
+        if mapped is None:
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a GraniteMoeHybrid model)")
+        target, transform = mapped
+        if target not in expected:
+            raise CheckpointError(f"{path}: tensor {name!r} does not exist in this model's config (maps to {target})")
+        want = transform.source_shape(tuple(expected[target].shape))
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
+        values[target] = jnp.asarray(transform.apply(tensor), param_dtype)
+        bar.update()
+    bar.close()
+    missing = sorted(set(expected) - set(values))
+    if missing == ["lm_head.kernel"]:
+        raise CheckpointError(
+            f"{files[0]}: no lm_head.weight but config has tie_word_embeddings=false; "
+            "set tie_word_embeddings=true or add the head"
+        )
+    if missing:
+        raise CheckpointError(
+            f"{os.path.dirname(files[0])}: missing tensor(s) for {', '.join(missing[:8])}"
+            + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        )
+    return values
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _unflatten(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for key, v in flat.items():
+        *parents, leaf = key.split(".")
+        node = tree
+        for p in parents:
+            node = node.setdefault(int(p) if p.isdigit() else p, {})
+        node[int(leaf) if leaf.isdigit() else leaf] = v
+    return tree
