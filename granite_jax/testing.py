@@ -1,0 +1,97 @@
+"""Random GraniteMoeHybrid checkpoints in Hugging Face format, made with transformers, for tests and benchmarks.
+
+Nothing is downloaded: the weights are transformers' random init under a fixed seed and the tokenizer is a byte-level
+BPE trained in-process on a small built-in text, saved with a Granite-style chat template.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+TINY_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=["mamba", "attention", "mamba", "mamba"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    shared_intermediate_size=64,
+    intermediate_size=64,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=1,
+    mamba_chunk_size=16,
+    position_embedding_type="nope",
+    embedding_multiplier=12.0,
+    logits_scaling=8.0,
+    residual_multiplier=0.22,
+    attention_multiplier=0.0078125,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"]
+_CORPUS = (
+    "Granite is a family of language models. The hybrid design mixes Mamba-2 state space layers with attention. "
+    "Long context at constant decode memory, many sequences at once. The quick brown fox jumps over the lazy dog. "
+    "def forward(x): return x * 2 + 1  # numbers 0123456789 and punctuation: ,.;:!?()[]{}<>=+-*/"
+)
+
+
+def make_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 320):
+    """Train a small byte-level BPE with Granite's special tokens and chat template; save it into out_dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|end_of_text|>", pad_token="<|pad|>", chat_template=CHAT_TEMPLATE
+    )
+    fast.padding_side = "left"
+    fast.save_pretrained(os.fspath(out_dir))
+    return fast
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    *,
+    tokenizer: bool = True,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    **config: Any,
+) -> str:
+    """Save a random GraniteMoeHybridForCausalLM (TINY_CONFIG updated by `config`) and a tokenizer into out_dir."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    fields = TINY_CONFIG | config
+    if tokenizer:
+        tok = make_tokenizer(out_dir)
+        fields.setdefault("vocab_size", len(tok))
+        fields.setdefault("eos_token_id", tok.eos_token_id)
+        fields.setdefault("pad_token_id", tok.pad_token_id)
+        fields.setdefault("bos_token_id", None)
+    fields.setdefault("vocab_size", 320)
+    torch.manual_seed(seed)
+    model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).to(getattr(torch, dtype)).eval()
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(out_dir, **kwargs)
+    return out_dir

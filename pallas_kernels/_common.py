@@ -1,0 +1,64 @@
+"""Pieces shared by the prefill and decode kernels: the dt preprocessing, operand dtypes and shape helpers."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+F32 = jnp.float32
+SOFTPLUS_THRESHOLD = 20.0  # softplus(t) == t in float32 above this, as in torch and the reference kernels
+
+
+def process_dt(dt: Array, bias: Array | None, softplus: bool, limit: tuple[float, float]) -> Array:
+    """dt (+ bias), softplus (identity above 20), clamped to `limit`; float32. Runs inside kernels."""
+    dt = dt.astype(F32)
+    if bias is not None:
+        dt = dt + bias
+    if softplus:
+        dt = jnp.where(dt > SOFTPLUS_THRESHOLD, dt, jnp.log1p(jnp.exp(jnp.minimum(dt, SOFTPLUS_THRESHOLD))))
+    lo, hi = limit
+    if lo != -math.inf:
+        dt = jnp.maximum(dt, lo)
+    if hi != math.inf:
+        dt = jnp.minimum(dt, hi)
+    return dt
+
+
+def operand_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """Matmul operand dtype: 16-bit inputs stay 16-bit (tensor cores, fp32 accumulation), everything else float32."""
+    return dtype if dtype in (jnp.bfloat16, jnp.float16) else F32
+
+
+def dot_precision(op_dtype: jnp.dtype) -> lax.Precision | None:
+    """float32 operands use exact float32 products (no TF32), matching the "xla" path at HIGHEST precision."""
+    return lax.Precision.HIGHEST if op_dtype == F32 else None
+
+
+def dot(a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False) -> Array:
+    """2-D matmul with float32 accumulation (Triton `tt.dot`), optionally contracting a's rows or b's columns."""
+    contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
+    return lax.dot_general(
+        a, b, (contract, ((), ())), precision=dot_precision(a.dtype), preferred_element_type=F32
+    )
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def padded_dim(n: int) -> int:
+    """Head or state dims the kernels accept: a power of two, at least 16 (Triton `tt.dot` needs M, N, K >= 16)."""
+    return max(16, next_pow2(n))
+
+
+def pad_axis(t: Array, axis: int, size: int) -> Array:
+    """Zero-pad `axis` of t up to `size` (no-op when already that size)."""
+    if t.shape[axis] == size:
+        return t
+    widths = [(0, 0)] * t.ndim
+    widths[axis] = (0, size - t.shape[axis])
+    return jnp.pad(t, widths)

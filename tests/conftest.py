@@ -1,0 +1,35 @@
+"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """`hf_checkpoint(**config_overrides)` -> directory of a random HF checkpoint with a tokenizer (cached)."""
+    from granite_jax.testing import make_checkpoint
+
+    made: dict[str, str] = {}
+
+    def make(seed: int = 0, **overrides) -> str:
+        key = json.dumps([seed, overrides], sort_keys=True)
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp("ckpt"), seed, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(hf_checkpoint) -> str:
+    """The default tiny MoE hybrid (granite_jax.testing.TINY_CONFIG)."""
+    return hf_checkpoint()
