@@ -1,0 +1,232 @@
+"""Public entry points: `rewrite(fn, **options)` and `analyze(fn, *args)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import ClosedJaxpr, jaxpr_as_fun
+
+from rewriter.interpret import Context, eval_jaxpr
+from rewriter.options import Options, dot_precision, tolerance
+from rewriter.plan import JaxprPlan, Planner
+from rewriter.site import REWRITTEN, Report, Site
+
+
+class VerificationError(AssertionError):
+    """The rewritten function disagrees with the original beyond tolerance (raised by `rewrite(fn, verify=True)`)."""
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | jax.core.Tracer)
+
+
+def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    t = jax.typeof(x)
+    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@dataclasses.dataclass
+class _Signature:
+    """How a call's arguments split into traced arrays and static (hashable, closed-over) values."""
+
+    treedef: Any
+    dynamic: tuple[int, ...]
+    static: tuple[tuple[int, Any], ...]
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> tuple[_Signature, list]:
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        dynamic = tuple(i for i, x in enumerate(leaves) if _is_array(x))
+        static = tuple((i, x) for i, x in enumerate(leaves) if not _is_array(x))
+        for i, x in static:
+            try:
+                hash(x)
+            except TypeError:
+                raise TypeError(
+                    f"argument leaf {i} ({type(x).__name__}) is neither an array nor hashable; rewrite treats "
+                    "non-array arguments as static values"
+                ) from None
+        return cls(treedef, dynamic, static), [leaves[i] for i in dynamic]
+
+    def key(self) -> tuple:
+        return (self.treedef, self.dynamic, self.static)
+
+    def bind(self, fn: Callable) -> Callable:
+        """fn as a function of the dynamic leaves only."""
+
+        def flat(*values):
+            leaves = [None] * (len(self.dynamic) + len(self.static))
+            for i, x in zip(self.dynamic, values):
+                leaves[i] = x
+            for i, x in self.static:
+                leaves[i] = x
+            args, kwargs = jax.tree.unflatten(self.treedef, leaves)
+            return fn(*args, **kwargs)
+
+        return flat
+
+
+def _trace(fn: Callable, sig: _Signature, values: list) -> tuple[ClosedJaxpr, Any]:
+    closed, out_shape = jax.make_jaxpr(sig.bind(fn), return_shape=True)(*map(_abstract, values))
+    return closed, jax.tree.structure(out_shape)
+
+
+def _plan(closed: ClosedJaxpr, options: Options) -> tuple[JaxprPlan, list[Site]]:
+    planner = Planner(options)
+    return planner.plan(closed.jaxpr), planner.sites
+
+
+def _check_callable(fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"expected a callable to rewrite, got {type(fn).__name__}: {fn!r}")
+
+
+def analyze(fn: Callable, *args: Any, options: Options | None = None, **kwargs: Any) -> Report:
+    """Report every broadcast-multiply-sum site of `fn(*args, **kwargs)` and what `rewrite` would do with it.
+
+    Arguments may be abstract (`jax.ShapeDtypeStruct`): nothing is allocated or run. Non-array arguments are
+    static. Rewriter options are given as `options=Options(...)`; other keywords go to `fn`.
+    """
+    _check_callable(fn)
+    options = options or Options()
+    sig, values = _Signature.of(args, kwargs)
+    closed, _ = _trace(fn, sig, values)
+    _, sites = _plan(closed, options)
+    return Report(_name(fn), sites, dataclasses.asdict(options))
+
+
+def rewrite(fn: Callable, *, options: Options | None = None, **kwargs: Any) -> Rewritten:
+    """`fn` with each profitable broadcast-multiply-sum replaced by a dot_general contraction.
+
+    Keyword options are the fields of `Options` (min_flops, min_dim, precision, fuse_chains, verify, rtol, atol).
+    The result is jit-compiled per argument shapes and composes with `jax.jit`, `jax.grad` and `jax.vmap`.
+    Array arguments (and ShapeDtypeStructs in `.analyze`) are traced; other arguments are static.
+    """
+    _check_callable(fn)
+    if options is not None and kwargs:
+        raise TypeError("pass either options=Options(...) or keyword options, not both")
+    return Rewritten(fn, options or Options.from_kwargs(**kwargs))
+
+
+class Rewritten:
+    """The callable returned by `rewrite`. `last_report` is the report of the most recent trace."""
+
+    def __init__(self, fn: Callable, options: Options):
+        self.fn, self.options = fn, options
+        self.last_report: Report | None = None
+        self._jitted: dict[tuple, Callable] = {}
+        self._verified = False
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn, updated=())
+
+    def __repr__(self) -> str:
+        return f"rewrite({_name(self.fn)}, {self.options})"
+
+    def analyze(self, *args: Any, **kwargs: Any) -> Report:
+        return analyze(self.fn, *args, options=self.options, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        sig, values = _Signature.of(args, kwargs)
+        if self.options.verify and not self._verified:
+            with self._lock:
+                if not self._verified:
+                    self._verified = True
+                    self._verify(sig, values)
+        with self._lock:
+            jitted = self._jitted.get(sig.key())
+            if jitted is None:
+                jitted = self._jitted[sig.key()] = jax.jit(functools.partial(self._run, sig))
+        return jitted(*values)
+
+    def _run(self, sig: _Signature, *values: Any) -> Any:
+        closed, out_tree = _trace(self.fn, sig, list(values))
+        plan, sites = _plan(closed, self.options)
+        self.last_report = Report(_name(self.fn), sites, dataclasses.asdict(self.options))
+        ctx = Context(dot_precision(self.options.precision))
+        outs = eval_jaxpr(closed.jaxpr, closed.consts, values, plan, ctx)
+        return jax.tree.unflatten(out_tree, outs)
+
+    # ------------------------------------------------------------------------------------------ verification
+
+    def _verify(self, sig: _Signature, values: list) -> None:
+        closed, _ = _trace(self.fn, sig, values)
+        if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+            msg = f"rewrite({_name(self.fn)}, verify=True): it closes over traced values; not verified"
+            warnings.warn(msg, stacklevel=3)
+            return
+        plan, sites = _plan(closed, self.options)
+        rewritten = [s for s in sites if s.status == REWRITTEN]
+        if not rewritten:
+            return
+        with jax.ensure_compile_time_eval():
+            inputs = _concrete_inputs(values)
+            reference = jax.jit(jaxpr_as_fun(closed))(*inputs)
+            precision = dot_precision(self.options.precision)
+            run = lambda enabled: _evaluate(closed, plan, inputs, Context(precision, enabled))
+            error = _mismatch(reference, run(lambda site_id: True), self.options)
+            if error is None:
+                return
+            culprits = []
+            for site in rewritten:
+                site_error = _mismatch(reference, run(lambda site_id, s=site.id: site_id == s), self.options)
+                if site_error is not None:
+                    culprits.append((site, site_error))
+        if not culprits:
+            raise VerificationError(f"rewrite({_name(self.fn)}): output {error}, with all sites rewritten together")
+        lines = [f"site #{s.id} {s.spec} at {s.path + ': ' if s.path else ''}{s.source}: {e}" for s, e in culprits]
+        raise VerificationError(f"rewrite({_name(self.fn)}) changed the result at:\n  " + "\n  ".join(lines))
+
+
+def _evaluate(closed: ClosedJaxpr, plan: JaxprPlan, inputs: list, ctx: Context) -> list:
+    return jax.jit(lambda *xs: eval_jaxpr(closed.jaxpr, closed.consts, xs, plan, ctx))(*inputs)
+
+
+def _concrete_inputs(values: list) -> list:
+    """The call's arrays, or seeded stand-ins of the same shape when they are abstract or traced."""
+    rng = np.random.default_rng(0)
+    out = []
+    for x in values:
+        if not isinstance(x, jax.ShapeDtypeStruct | jax.core.Tracer):
+            out.append(x)
+            continue
+        dtype = np.dtype(x.dtype)
+        if np.issubdtype(dtype, np.inexact):
+            out.append(jax.numpy.asarray(rng.standard_normal(x.shape), dtype))
+        else:
+            out.append(jax.numpy.zeros(x.shape, dtype))
+    return out
+
+
+def _mismatch(reference: list, result: list, options: Options) -> str | None:
+    """A description of the first output leaf that differs beyond tolerance, or None."""
+    for k, (a, b) in enumerate(zip(jax.tree.leaves(reference), jax.tree.leaves(result))):
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not np.issubdtype(np.asarray(a).dtype, np.inexact):
+            if not np.array_equal(a64, b64):
+                return f"{k} differs (non-float values)"
+            continue
+        finite = np.isfinite(a64)
+        same_specials = np.array_equal(a64[~finite], b64[~finite], equal_nan=True)
+        if not np.array_equal(finite, np.isfinite(b64)) or not same_specials:
+            return f"{k} has non-finite values in different places"
+        if not finite.any():
+            continue
+        rtol, atol = tolerance(np.asarray(a).dtype, options)
+        err = float(np.max(np.abs(a64 - b64)[finite]))
+        scale = float(np.max(np.abs(a64[finite])))
+        if err > atol + rtol * scale:
+            return f"{k} differs: max |diff| {err:.3g} > atol {atol:g} + rtol {rtol:g} x max |ref| {scale:.3g}"
+    return None

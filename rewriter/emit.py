@@ -1,0 +1,103 @@
+"""Emitting a planned contraction: slice and squeeze the operands, contract them pairwise along the planned path
+(dot_general where labels are contracted), then broadcast, scale and cast to the dtype the original `reduce_sum`
+produced."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from rewriter.cost import Plan
+from rewriter.pattern import Contraction, Label, Operand
+
+try:  # keeps a weak-typed sum weak, so scan carries and cond branches keep their exact types
+    from jax._src.lax.lax import _convert_element_type as _convert_weak
+except ImportError:  # pragma: no cover - private API moved
+    _convert_weak = None
+
+
+def operand_value(op: Operand, read: Callable[[Any], Any]) -> jax.Array:
+    """The operand with its unlabelled dims (size 1, or constant along them) removed."""
+    x = jnp.asarray(read(op.atom))
+    shape = op.atom.aval.shape
+    if all(d is not None for d in op.dims):
+        return x
+    limits = tuple(1 if d is None else n for d, n in zip(op.dims, shape))
+    if limits != tuple(shape):
+        x = lax.slice(x, (0,) * len(shape), limits)
+    return lax.reshape(x, tuple(n for d, n in zip(op.dims, shape) if d is not None))
+
+
+def accumulation_dtype(dtypes: list[Any]) -> Any:
+    """bf16/f16 operands accumulate in float32; wider floats in their own precision."""
+    return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
+
+
+def contract(c: Contraction, plan: Plan, read: Callable[[Any], Any], out_aval: Any, precision: Any) -> jax.Array:
+    """The value of the site's reduce_sum, computed as `c` along `plan.path`."""
+    values = [operand_value(op, read) for op in c.operands]
+    acc = accumulation_dtype([v.dtype for v in values])
+    y = pairwise(list(zip(values, (op.labels for op in c.operands))), plan.path, c.kept, precision, acc)
+    if c.scale != 1:
+        y = y * jnp.asarray(c.scale, acc)
+    for s in c.scalars:
+        y = y * operand_value(s, read).reshape(()).astype(acc)
+    kept = set(c.kept)
+    positions = tuple(i for i, label in enumerate(c.out) if label in kept)
+    if y.shape != tuple(out_aval.shape):
+        y = lax.broadcast_in_dim(y, tuple(out_aval.shape), positions)
+    if getattr(out_aval, "weak_type", False) and _convert_weak is not None:
+        return _convert_weak(y, out_aval.dtype, weak_type=True)
+    return y.astype(out_aval.dtype)
+
+
+Labelled = tuple[jax.Array, tuple[Label, ...]]
+
+
+def pairwise(operands: list[Labelled], path, out: tuple[Label, ...], precision: Any, acc: Any) -> jax.Array:
+    """Contract labelled operands two at a time along `path` (opt_einsum convention), giving labels `out`."""
+    operands = list(operands)
+    for pair in path:
+        taken = [operands.pop(i) for i in sorted(pair, reverse=True)]
+        rest = set(out).union(*(labels for _, labels in operands))
+        if len(taken) == 1:
+            operands.append(presum(*taken[0], rest, acc))
+        else:
+            operands.append(product(taken[1], taken[0], rest, precision, acc))
+    (y, labels), *_ = operands
+    y, labels = presum(y, labels, set(out), acc)
+    return lax.transpose(y, tuple(labels.index(label) for label in out)) if labels != tuple(out) else y
+
+
+def presum(x: jax.Array, labels: tuple[Label, ...], needed: set[Label], acc: Any) -> Labelled:
+    """Sum out the labels nobody else needs."""
+    axes = tuple(i for i, label in enumerate(labels) if label not in needed)
+    if not axes:
+        return x, labels
+    return jnp.sum(x.astype(acc), axis=axes), tuple(label for label in labels if label in needed)
+
+
+def product(lhs: Labelled, rhs: Labelled, rest: set[Label], precision: Any, acc: Any) -> Labelled:
+    """One pairwise step: a dot_general when labels are contracted, else a broadcasting multiply."""
+    (a, la), (b, lb) = presum(*lhs, rest | set(rhs[1]), acc), presum(*rhs, rest | set(lhs[1]), acc)
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    a, b = a.astype(dtype), b.astype(dtype)
+    batch = tuple(label for label in la if label in lb and label in rest)
+    contracted = tuple(label for label in la if label in lb and label not in rest)
+    if not contracted:  # a Hadamard or outer product: a dot_general with K=1 would be a slow GEMM
+        labels = la + tuple(label for label in lb if label not in la)
+        shape = tuple((a.shape[la.index(label)] if label in la else b.shape[lb.index(label)]) for label in labels)
+        a = lax.broadcast_in_dim(a.astype(acc), shape, tuple(labels.index(label) for label in la))
+        b = lax.broadcast_in_dim(b.astype(acc), shape, tuple(labels.index(label) for label in lb))
+        return a * b, labels
+    dims = (
+        (tuple(la.index(label) for label in contracted), tuple(lb.index(label) for label in contracted)),
+        (tuple(la.index(label) for label in batch), tuple(lb.index(label) for label in batch)),
+    )
+    y = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
+    free = lambda mine, other: tuple(label for label in mine if label not in other)
+    return y, batch + free(la, lb) + free(lb, la)
