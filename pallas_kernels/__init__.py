@@ -1,0 +1,39 @@
+"""Pallas GPU kernels (Triton lowering) for the Mamba-2 SSD: chunked prefill and the one-token decode update.
+
+Public API (contracts identical to `granite_jax.ssd.ssd_chunked` and `granite_jax.ssd.ssd_step`):
+
+- `ssd_prefill(x, dt, A, B, C, D, *, chunk_size=256, initial_state=None, dt_bias=None, dt_softplus=False,
+  dt_limit=(0, inf), out_dtype=float32, config=None) -> (y (b, L, h, p), final_state (b, h, p, n) float32)`
+- `ssd_decode(state, x, dt, A, B, C, D, *, dt_bias=None, dt_softplus=False, dt_limit=(0, inf), config=None)
+  -> (y (b, h, p) float32, new_state (b, h, p, n) float32)`, the state updated in place (`input_output_aliases`).
+- `PrefillConfig`, `DecodeConfig`: tiling and launch parameters.
+
+Where they run. On an NVIDIA GPU (A100, H100, H200). Anywhere else a call raises `PallasUnavailableError`
+("ssd_impl='pallas' needs an NVIDIA GPU; use 'xla' on CPU"); nothing runs interpreted behind the caller's back.
+Tests opt in explicitly, around the code that traces the kernels (including a model forward):
+
+    with pallas_kernels.interpret_mode():          # run interpreted on CPU, every kernel output poisoned with NaN
+        y, state = pallas_kernels.ssd_prefill(...)
+
+    with pallas_kernels.cuda_lowering():           # trace for CUDA without a GPU, to check the Triton lowering
+        jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+`pallas_kernels.aot` goes one step further where the `jax-cuda12-pjrt` plugin is installed: it compiles the lowered
+kernels through XLA's GPU compiler and Triton for an H100/H200 target without a GPU (catching, e.g., shared memory
+overflows). See docs/kernels.md for the design, numerics and the GPU benchmark.
+"""
+
+from pallas_kernels._call import PallasUnavailableError, cuda_lowering, interpret_mode
+from pallas_kernels.decode import DecodeConfig, ssd_decode
+from pallas_kernels.prefill import PrefillConfig, kernel_chunk, ssd_prefill
+
+__all__ = [
+    "DecodeConfig",
+    "PallasUnavailableError",
+    "PrefillConfig",
+    "cuda_lowering",
+    "interpret_mode",
+    "kernel_chunk",
+    "ssd_decode",
+    "ssd_prefill",
+]

@@ -36,7 +36,8 @@ class _Mode:
     cuda_lowering: bool = False
 
 
-_MODE: contextvars.ContextVar[_Mode] = contextvars.ContextVar("pallas_kernels_mode", default=_Mode())
+_DEFAULT_MODE = _Mode()
+_MODE: contextvars.ContextVar[_Mode | None] = contextvars.ContextVar("pallas_kernels_mode", default=None)
 
 
 @contextlib.contextmanager
@@ -90,7 +91,7 @@ def call(
     Poisoning passes a NaN-filled array for every output not already aliased to an input, aliased to that output, so
     the kernel starts from NaN exactly where it would start from uninitialised memory on the GPU.
     """
-    mode = _MODE.get()
+    mode = _MODE.get() or _DEFAULT_MODE
     _check_platform(mode)
     aliases = dict(input_output_aliases or {})
     n_in, n_out = len(in_specs), len(out_specs)

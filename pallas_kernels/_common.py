@@ -41,9 +41,7 @@ def dot_precision(op_dtype: jnp.dtype) -> lax.Precision | None:
 def dot(a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False) -> Array:
     """2-D matmul with float32 accumulation (Triton `tt.dot`), optionally contracting a's rows or b's columns."""
     contract = ((0 if trans_a else 1,), (1 if trans_b else 0,))
-    return lax.dot_general(
-        a, b, (contract, ((), ())), precision=dot_precision(a.dtype), preferred_element_type=F32
-    )
+    return lax.dot_general(a, b, (contract, ((), ())), precision=dot_precision(a.dtype), preferred_element_type=F32)
 
 
 def next_pow2(n: int) -> int:

@@ -42,6 +42,7 @@ class PrefillConfig:
 
     block_m: int = 64  # chunk rows per output program; also the width of its causal k-blocks
     block_p: int = 64  # head-dim rows of the state per state program
+    block_k: int = 64  # sequence rows the state program folds into the state per step
     state_warps: int = 4
     state_stages: int = 2
     output_warps: int = 4
@@ -134,8 +135,9 @@ def _chunk_states(x, dt, A, bias, B, init, chunk, cfg: PrefillConfig, dt_args):
     n_chunks = pl.cdiv(length, chunk)
     padded_len = n_chunks * chunk
     bp = min(cfg.block_p, p)
+    block_k = min(cfg.block_k, chunk)
     kernel = functools.partial(
-        _chunk_state_kernel, length=length, chunk=chunk, op_dtype=operand_dtype(x.dtype), **dt_args
+        _chunk_state_kernel, length=length, chunk=chunk, block_k=block_k, op_dtype=operand_dtype(x.dtype), **dt_args
     )
     scalar = pl.BlockSpec((None,), lambda i, j, k: (j,))
     return _call.call(
@@ -169,19 +171,21 @@ def _chunk_states(x, dt, A, bias, B, init, chunk, cfg: PrefillConfig, dt_args):
 
 def _chunk_state_kernel(
     x_ref, dt_ref, A_ref, bias_ref, B_ref, init_ref, states_ref, final_ref, dt_out_ref, decay_out_ref,
-    *, length, chunk, op_dtype, softplus, limit,
+    *, length, chunk, block_k, op_dtype, softplus, limit,
 ):  # fmt: skip
     A = A_ref[...].astype(F32)
     bias = bias_ref[...].astype(F32)
     writes_rows = pl.program_id(2) == 0  # the p-blocks of a head share dt and s; one of them writes them
 
-    def advance(ci, state):
-        rows = pl.ds(ci * chunk, chunk)
-        valid = ci * chunk + jnp.arange(chunk) < length
+    def advance(start, state, offset):
+        """The state over rows [start, start + block_k), `offset` the chunk's decay cumsum before them."""
+        rows = pl.ds(start, block_k)
+        valid = start + jnp.arange(block_k) < length
         dt = pltriton.load(dt_ref.at[rows], mask=valid, other=0.0)
         dt = jnp.where(valid, process_dt(dt, bias, softplus, limit), 0.0)
-        decay = jnp.cumsum(dt * A)  # s: cumulative log-decay inside the chunk, <= 0
-        last = jnp.sum(dt * A)
+        local = jnp.cumsum(dt * A)  # cumulative log-decay inside the block, <= 0
+        total = jnp.sum(dt * A)
+        decay = offset + local  # s: cumulative log-decay since the chunk's start
 
         @pl.when(writes_rows)
         def _():
@@ -189,13 +193,18 @@ def _chunk_state_kernel(
             decay_out_ref[rows] = decay
 
         x = pltriton.load(x_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(F32)
-        Bc = pltriton.load(B_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(op_dtype)
-        weight = jnp.exp(jnp.minimum(last - decay, 0.0)) * dt  # decay from each row to the chunk's end, times dt
-        states_ref[ci] = state
-        contribution = dot((x * weight[:, None]).astype(op_dtype), Bc, trans_a=True)  # (bp, n)
-        return jnp.exp(jnp.minimum(last, 0.0)) * state + contribution
+        Bk = pltriton.load(B_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(op_dtype)
+        weight = jnp.exp(jnp.minimum(total - local, 0.0)) * dt  # decay from each row to the block's end, times dt
+        contribution = dot((x * weight[:, None]).astype(op_dtype), Bk, trans_a=True)  # (bp, n)
+        return jnp.exp(jnp.minimum(total, 0.0)) * state + contribution, offset + total
 
-    final_ref[...] = jax.lax.fori_loop(0, states_ref.shape[0], advance, init_ref[...].astype(F32))
+    def chunk_step(ci, state):
+        states_ref[ci] = state
+        blocks = lambda j, carry: advance(ci * chunk + j * block_k, *carry)
+        state, _ = jax.lax.fori_loop(0, chunk // block_k, blocks, (state, jnp.zeros((), F32)))
+        return state
+
+    final_ref[...] = jax.lax.fori_loop(0, states_ref.shape[0], chunk_step, init_ref[...].astype(F32))
 
 
 # ---------------------------------------------------------------------------------------------- kernel 2: outputs

@@ -1,0 +1,112 @@
+"""Compile the kernels for an NVIDIA GPU that is not attached (ahead-of-time, "deviceless").
+
+`jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` only checks the Pallas -> Triton IR lowering. Compiling
+the lowered module goes on through Triton (TTIR -> TTGIR -> LLVM -> PTX) and ptxas, which is where tile sizes meet
+the hardware: shared memory and register limits, layouts, unsupported dot shapes. XLA's GPU compiler can do that
+without a GPU from a target description, given the CUDA PJRT plugin (`pip install jax-cuda12-pjrt==<jax version>
+jax-cuda12-plugin==<jax version>`, no GPU or driver needed). Without the plugin `gpu_device()` raises
+`AotUnavailableError` and the tests that use it skip.
+
+The device descriptions below are the public hardware figures of the SXM parts (SM count, memory, shared memory per
+block and per SM, registers, clocks); XLA uses them for the compile target, and the H200 differs from the H100 only in
+memory size and bandwidth, not in anything the kernels' compilation depends on.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+# GpuTargetConfigProto text, one per GPU. Compute capability 9.0 (sm_90) for H100/H200, 8.0 for A100.
+_SM90_LIMITS = """
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  cuda_compute_capability { major: 9 minor: 0 }
+"""
+TARGETS: dict[str, str] = {
+    "h100": "gpu_device_info {"
+    + _SM90_LIMITS
+    + """
+  memory_bandwidth: 3352000000000
+  device_memory_size: 85520809984
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+""",
+    "h200": "gpu_device_info {"
+    + _SM90_LIMITS
+    + """
+  memory_bandwidth: 4800000000000
+  device_memory_size: 150754820096
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H200"
+""",
+    "a100": """gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 166912
+  shared_memory_per_core: 167936
+  threads_per_core_limit: 2048
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  core_count: 108
+  fpus_per_core: 64
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 2039000000000
+  l2_cache_size: 41943040
+  clock_rate_ghz: 1.41
+  device_memory_size: 85899345920
+  cuda_compute_capability { major: 8 minor: 0 }
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA A100-SXM4-80GB"
+""",
+}
+
+
+class AotUnavailableError(RuntimeError):
+    """The CUDA PJRT plugin needed for deviceless compilation is not installed."""
+
+
+@functools.cache
+def gpu_device(gpu: str = "h200") -> Any:
+    """A compile-only CUDA device for `gpu` ("h100", "h200" or "a100")."""
+    from jax._src import xla_bridge
+
+    try:
+        topology = xla_bridge.make_pjrt_topology("cuda", "", topology="1x1x1", target_config=TARGETS[gpu])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise AotUnavailableError(
+            f"deviceless CUDA compilation is unavailable ({type(e).__name__}: {e}); it needs the jax-cuda12-pjrt "
+            "and jax-cuda12-plugin packages matching the installed jax"
+        ) from None
+    return topology._make_compile_only_devices()[0]
+
+
+def compile_for_gpu(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200"):
+    """Lower and compile `fn(*args)` (shape structs) for `gpu`; run it inside `pallas_kernels.cuda_lowering()`.
+
+    Returns the compiled executable (for `.as_text()`, `.cost_analysis()`); raises on any lowering or compile error.
+    """
+    sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    return jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
