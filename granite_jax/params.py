@@ -136,7 +136,11 @@ def load_model(
     ssd_impl: str | None = None,
     progress: bool = False,
 ) -> Granite:
-    """Load a Hugging Face GraniteMoeHybrid checkpoint directory into a `Granite` model."""
+    """Load a Hugging Face GraniteMoeHybrid checkpoint directory, or a granite-jax orbax one, into a `Granite` model."""
+    from granite_jax import checkpoint  # imports this module
+
+    if checkpoint.is_orbax_checkpoint(model_dir):
+        return checkpoint.restore_model(model_dir, dtype=dtype, param_dtype=param_dtype, cfg=cfg, ssd_impl=ssd_impl)
     cfg = cfg or load_config(model_dir)
     if ssd_impl is not None:
         cfg = cfg.replace(ssd_impl=ssd_impl)

@@ -1,0 +1,210 @@
+"""Orbax checkpoints of a `Granite` model: save atomically, restore straight to the requested dtype.
+
+Layout of a checkpoint directory::
+
+    DIR/config.json                     the Hugging Face config (transformers can read it too)
+    DIR/tokenizer.json, ...             tokenizer and other small files copied from the source
+    DIR/state/                          orbax: `nnx.to_pure_dict(nnx.state(model))`
+    DIR/granite_jax_checkpoint.json     completion marker, written last
+
+Everything is written into a hidden sibling directory that is renamed to DIR only once the marker is in place, so an
+interrupted save leaves no directory that could be taken as a complete checkpoint; loading a directory with `state/`
+but without the marker is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from granite_jax.config import ModelConfig
+from granite_jax.model import Granite, abstract_model, count_params
+from granite_jax.params import CheckpointError, load_config
+
+MARKER = "granite_jax_checkpoint.json"
+STATE_DIR = "state"
+FORMAT = "granite-jax-orbax"
+VERSION = 1
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt", ".h5")
+
+
+def is_orbax_checkpoint(model_dir: str | os.PathLike) -> bool:
+    """True if the directory is (or was meant to become) a granite-jax orbax checkpoint, complete or not."""
+    d = os.fspath(model_dir)
+    return os.path.isfile(os.path.join(d, MARKER)) or os.path.isdir(os.path.join(d, STATE_DIR))
+
+
+def read_marker(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker of an orbax checkpoint; a clear error if the checkpoint is incomplete or foreign."""
+    d = os.fspath(model_dir)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: model directory not found")
+    path = os.path.join(d, MARKER)
+    if not os.path.isfile(path):
+        raise CheckpointError(
+            f"{d}: incomplete orbax checkpoint (no {MARKER}); the conversion was interrupted. "
+            "Delete the directory and run `python -m granite_jax.convert` again"
+        )
+    try:
+        with open(path) as f:
+            marker = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable completion marker ({e})") from None
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a granite-jax orbax checkpoint of version {VERSION}")
+    if not os.path.isdir(os.path.join(d, STATE_DIR)):
+        raise CheckpointError(f"{d}: the marker is there but {STATE_DIR}/ is missing")
+    return marker
+
+
+# ---------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    model: Granite,
+    out_dir: str | os.PathLike,
+    *,
+    copy_from: str | os.PathLike | None = None,
+    source: str | None = None,
+) -> str:
+    """Write `model` as an orbax checkpoint into `out_dir`, which must not exist or be empty. Returns `out_dir`.
+
+    `copy_from`: a Hugging Face checkpoint directory whose non-weight files (config.json, tokenizer, chat template,
+    generation config) are copied beside the weights; without it, config.json is written from `model.cfg`.
+    """
+    out = os.path.abspath(os.fspath(out_dir))
+    check_writable(out)
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
+    try:
+        _write_state(model, os.path.join(tmp, STATE_DIR))
+        copied = _copy_side_files(copy_from, tmp) if copy_from is not None else []
+        if "config.json" not in copied:
+            _write_json(os.path.join(tmp, "config.json"), model.cfg.to_hf_dict())
+        _write_json(os.path.join(tmp, MARKER), _marker(model, source or (copy_from and os.fspath(copy_from))))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def check_writable(out_dir: str | os.PathLike) -> None:
+    """Refuse an output path that is a file or a non-empty directory."""
+    out = os.fspath(out_dir)
+    if os.path.isdir(out) and os.listdir(out):
+        raise CheckpointError(f"{out}: output directory is not empty; choose a new directory or empty this one")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CheckpointError(f"{out}: exists and is not a directory")
+
+
+def _write_state(model: Granite, path: str) -> None:
+    state = nnx.to_pure_dict(nnx.state(model))
+    with _quiet_orbax(), _checkpointer() as ck:
+        ck.save(path, state)
+        ck.wait_until_finished()
+
+
+def _copy_side_files(src: str | os.PathLike, dst: str) -> list[str]:
+    src = os.fspath(src)
+    names = [n for n in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, n))]
+    copied = [n for n in names if not n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and n != MARKER]
+    for name in copied:
+        shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    return copied
+
+
+def _marker(model: Granite, source: str | None) -> dict[str, Any]:
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model))})
+    return dict(
+        format=FORMAT,
+        version=VERSION,
+        param_dtype=dtypes[0] if len(dtypes) == 1 else dtypes,
+        num_params=count_params(model),
+        source=source,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publish(tmp: str, out: str) -> None:
+    if os.path.isdir(out):
+        os.rmdir(out)  # empty (checked before); rename cannot replace a directory on every platform
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot move the finished checkpoint into place ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------- restore
+
+
+def restore_model(
+    model_dir: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    cfg: ModelConfig | None = None,
+    ssd_impl: str | None = None,
+) -> Granite:
+    """Restore a `Granite` from an orbax checkpoint directory; parameters are read straight into `param_dtype`."""
+    d = os.fspath(model_dir)
+    read_marker(d)
+    cfg = cfg or load_config(d)
+    if ssd_impl is not None:
+        cfg = cfg.replace(ssd_impl=ssd_impl)
+    param_dtype = param_dtype or dtype
+    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype))
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))
+    try:
+        with _quiet_orbax(), _checkpointer() as ck:
+            restored = ck.restore(os.path.join(d, STATE_DIR), target)
+    except Exception as e:  # orbax raises ValueError/KeyError/FileNotFoundError with long messages
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{d}: cannot restore the orbax state for this config ({first})") from None
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer()
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs every step at INFO/WARNING through absl; keep the CLIs' output to progress bars and results."""
+    from absl import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)

@@ -1,0 +1,108 @@
+"""HF safetensors -> orbax conversion: round trip, dtype on restore, and refusal of bad or incomplete output."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from granite_jax import checkpoint, convert
+from granite_jax.params import CheckpointError, load_model
+
+
+@pytest.fixture(scope="module")
+def orbax_checkpoint(tiny_checkpoint, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("orbax") / "tiny"
+    assert convert.main(["--model", tiny_checkpoint, "--out", str(out), "--quiet"]) == 0
+    return str(out)
+
+
+def _leaves(model):
+    return jax.tree.leaves(nnx.state(model))
+
+
+def test_round_trip_equals_hf_load(tiny_checkpoint, orbax_checkpoint):
+    from_hf, from_orbax = load_model(tiny_checkpoint), load_model(orbax_checkpoint)
+    assert len(_leaves(from_hf)) == len(_leaves(from_orbax))
+    for a, b in zip(_leaves(from_hf), _leaves(from_orbax)):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_side_files_and_marker(orbax_checkpoint):
+    names = set(os.listdir(orbax_checkpoint))
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", checkpoint.MARKER, checkpoint.STATE_DIR} <= names
+    assert not any(n.endswith(".safetensors") for n in names)
+    marker = checkpoint.read_marker(orbax_checkpoint)
+    assert marker["param_dtype"] == "float32" and marker["num_params"] > 0
+
+
+def test_restore_straight_to_bfloat16(orbax_checkpoint, tiny_checkpoint):
+    model = load_model(orbax_checkpoint, dtype=jnp.bfloat16)
+    assert {x.dtype for x in _leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+    reference = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
+    for a, b in zip(_leaves(reference), _leaves(model)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_convert_to_bfloat16_storage(tiny_checkpoint, tmp_path):
+    out = tmp_path / "bf16"
+    convert.convert(tiny_checkpoint, out, dtype="bfloat16")
+    assert checkpoint.read_marker(out)["param_dtype"] == "bfloat16"
+    assert {x.dtype for x in _leaves(load_model(out, dtype=jnp.float32))} == {jnp.dtype(jnp.float32)}
+
+
+def test_non_empty_output_refused(tiny_checkpoint, tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert convert.main(["--model", tiny_checkpoint, "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not empty" in err and len(err.splitlines()) == 1
+    assert os.listdir(tmp_path) == ["keep.txt"]
+
+
+def test_empty_output_dir_accepted(tiny_checkpoint, tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    convert.convert(tiny_checkpoint, out)
+    checkpoint.read_marker(out)
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "_publish", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert.convert(tiny_checkpoint, tmp_path / "out")
+    assert os.listdir(tmp_path) == []  # neither the output nor the temporary sibling
+
+
+@pytest.mark.parametrize("where", ["no_marker", "killed_partial"])
+def test_incomplete_checkpoint_refused(orbax_checkpoint, tmp_path, where):
+    # A process killed mid-save leaves a hidden `.NAME.partial-*` sibling without the marker, written last.
+    target = tmp_path / ("ckpt" if where == "no_marker" else ".ckpt.partial-abc123")
+    shutil.copytree(orbax_checkpoint, target)
+    os.remove(target / checkpoint.MARKER)
+    with pytest.raises(CheckpointError, match="incomplete orbax checkpoint"):
+        load_model(target)
+
+
+def test_converting_an_orbax_checkpoint_refused(orbax_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="already a granite-jax orbax checkpoint"):
+        convert.convert(orbax_checkpoint, tmp_path / "again")
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path):
+    cmd = [sys.executable, "-m", "granite_jax.convert", "--model", str(tmp_path / "missing"), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"granite_jax.convert: error: {tmp_path / 'missing'}: model directory not found"
+    ]
