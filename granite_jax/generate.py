@@ -1,0 +1,811 @@
+"""Text generation with granite-jax: a `Generator` that loads once and generates many times, and a CLI.
+
+    python -m granite_jax.generate --model DIR --prompt "Hello"          # streams the reply
+    python -m granite_jax.generate --model DIR --prompt a --prompt b --json
+
+How a request runs (`Generator.generate`):
+- Prompts are tokenized (optionally through the chat template), right-aligned in a batch of `bucket_length` slots
+  (left padding: `pad[b]` slots before row b's first token) and prefilled in segments of at most `prefill_chunk`
+  tokens. Each segment is one call of a jitted `forward` that carries the conv, SSM and KV state in the `Cache`.
+- The decode step is one jitted call per token: forward one token per row, sample on device, return the cache
+  (donated, so the KV cache is updated in place) and the new ids (b,), the only thing copied to the host.
+- Shapes are bucketed so that compilation is bounded: prompt lengths round up to powers of two (>= 16) up to
+  `prefill_chunk`, then to multiples of it; KV-cache lengths round up to `min_cache_len`, powers of two, then
+  multiples of 16384. The decode step therefore compiles once per (batch size, cache bucket): once per batch size
+  for every request whose padded prompt plus `max_new_tokens` fits `min_cache_len`, or always with a fixed
+  `max_cache_len`. Executables are compiled ahead of time, before the timers start; `compilations` counts them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from granite_jax.config import ATTENTION, ConfigError, ModelConfig
+from granite_jax.model import Cache, Granite
+from granite_jax.params import CheckpointError, load_model
+from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
+
+__all__ = ["GenerationError", "Generator", "Result", "SamplingConfig", "Timing", "generate", "main"]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+MIN_PROMPT_BUCKET = 16
+LARGE_CACHE_STEP = 16384
+StreamCallback = Callable[[int, str], None]  # (row, new text)
+Prompts = str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]
+
+
+# ---------------------------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock timing of one batch. Compilation is excluded (done ahead of time) and reported apart."""
+
+    batch_size: int
+    prompt_tokens: int  # real prompt tokens over the batch (padding excluded)
+    padded_prompt_len: int  # the bucketed prompt length every row was padded to
+    cache_len: int  # KV-cache slots
+    prefill_s: float  # prompt in, first token on the host
+    decode_steps: int  # decode-step calls after the first token
+    decode_tokens: int  # tokens produced by those calls for rows still generating
+    decode_s: float
+    compile_s: float
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """One prompt's generation. `token_ids` include a final stop token; `text` excludes it and any stop string."""
+
+    prompt: str | None  # None for pre-tokenized prompts
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str  # "stop_token" | "stop_string" | "length"
+    timing: Timing  # of the whole batch this prompt ran in
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "text": self.text,
+            "token_ids": list(self.token_ids),
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def bucket_length(n: int, prefill_chunk: int) -> int:
+    """Padded prompt length: a power of two >= 16 up to prefill_chunk, then a multiple of prefill_chunk."""
+    if n <= prefill_chunk:
+        return min(prefill_chunk, max(MIN_PROMPT_BUCKET, next_power_of_two(n)))
+    return round_up(n, prefill_chunk)
+
+
+def cache_bucket(n: int, minimum: int) -> int:
+    """KV-cache slots for n: `minimum`, else a power of two up to 16384, else a multiple of 16384."""
+    if n <= minimum:
+        return minimum
+    return next_power_of_two(n) if n <= LARGE_CACHE_STEP else round_up(n, LARGE_CACHE_STEP)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """Where a batch of prompts sits: right-aligned in `padded_len` slots, then `max_new_tokens` decode slots."""
+
+    lengths: tuple[int, ...]
+    padded_len: int
+    segment_len: int  # prefill segment: padded_len, or prefill_chunk when the prompt is longer
+    cache_len: int  # KV slots (0 for a model without attention layers)
+    max_new_tokens: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def pad(self) -> np.ndarray:
+        return self.padded_len - np.asarray(self.lengths, np.int32)
+
+    def tokens(self, prompts: Sequence[Sequence[int]], pad_id: int) -> np.ndarray:
+        out = np.full((self.batch_size, self.padded_len), pad_id, np.int32)
+        for row, ids in enumerate(prompts):
+            out[row, self.padded_len - len(ids) :] = ids
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- jitted steps
+
+
+def _prefill_segment(graphdef, state, cache: Cache, tokens, params: SamplerParams, step):
+    """Forward one prompt segment (b, T) from the cache; sample from the last position's logits."""
+    model = nnx.merge(graphdef, state)
+    logits, cache, _ = model.forward(tokens, cache=cache, last_only=True)
+    logits = logits[:, -1].astype(jnp.float32)
+    return logits, sample_tokens(logits, params, step), cache
+
+
+def _decode_step(graphdef, state, cache: Cache, tokens, params: SamplerParams, step):
+    """Forward one token per row (b,) and sample the next ones."""
+    model = nnx.merge(graphdef, state)
+    logits, cache, _ = model.forward(tokens[:, None], cache=cache)
+    return sample_tokens(logits[:, -1], params, step), cache
+
+
+# ---------------------------------------------------------------------------------------------- text and stops
+
+
+class _RowStream:
+    """One row's generated tokens: incremental detokenization, stop token/string detection, streamed text."""
+
+    def __init__(self, row: int, tokenizer, stop_ids: frozenset[int], stop_strings: tuple[str, ...], callback):
+        self.row, self.tokenizer, self.stop_ids, self.stop_strings = row, tokenizer, stop_ids, stop_strings
+        self.callback = callback
+        self.ids: list[int] = []
+        self.text = ""
+        self.emitted = 0  # characters of text already streamed
+        self._prefix, self._read = 0, 0  # incremental-decode offsets into ids
+        self.finish_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def push(self, token: int) -> None:
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.finish_reason = "stop_token"
+        elif self.tokenizer is not None:
+            self._append_text()
+        self._stream()
+
+    def finish(self) -> None:
+        """Mark the row finished by length (if still running), settle the final text and stream the rest."""
+        if self.finish_reason is None:
+            self.finish_reason = "length"
+        if self.tokenizer is not None:
+            ids = self.ids[:-1] if self.finish_reason == "stop_token" else self.ids
+            self.text = _cut_at_stop(self._decode(ids), self.stop_strings)
+        self._stream(final=True)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _append_text(self) -> None:
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        start = len(self.text)
+        self.text += after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        if self.stop_strings:
+            window = max(map(len, self.stop_strings))
+            cut = _cut_at_stop(self.text, self.stop_strings, start=max(0, start - window + 1))
+            if len(cut) < len(self.text):
+                self.text, self.finish_reason = cut, "stop_string"
+
+    def _stream(self, final: bool = False) -> None:
+        if self.callback is None:
+            return
+        end = len(self.text) if final or self.done else len(self.text) - _held_back(self.text, self.stop_strings)
+        if end > self.emitted:
+            self.callback(self.row, self.text[self.emitted : end])
+            self.emitted = end
+
+
+def _cut_at_stop(text: str, stop_strings: Sequence[str], start: int = 0) -> str:
+    hits = [i for s in stop_strings if (i := text.find(s, start)) >= 0]
+    return text[: min(hits)] if hits else text
+
+
+def _held_back(text: str, stop_strings: Sequence[str]) -> int:
+    """Length of the longest tail of text that could begin a stop string (not streamed until resolved)."""
+    return max(
+        (k for s in stop_strings for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the generator
+
+
+def default_model_dir() -> str | None:
+    """The checkpoint shipped with the package, if any (none ships yet)."""
+    path = os.path.join(os.path.dirname(__file__), "checkpoints", "default")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+NO_MODEL_MESSAGE = (
+    "no model given and granite-jax does not ship a checkpoint yet: pass --model DIR "
+    "(a Hugging Face GraniteMoeHybrid checkpoint directory with config.json, safetensors and tokenizer files)"
+)
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """transformers' AutoTokenizer from the checkpoint directory (local files only), or None if it has none."""
+    d = os.fspath(model_dir)
+    if not any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{d}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+
+
+class Generator:
+    """A model and tokenizer loaded once, with compiled prefill/decode steps reused across `generate` calls.
+
+    dtype: activation and parameter dtype ("float32", "bfloat16", "float16"). ssd_impl: "xla", "naive", "pallas".
+    prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
+    min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
+    KV slots (one decode compilation per batch size) and longer requests are rejected.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None = None,
+        *,
+        dtype: str = "float32",
+        ssd_impl: str = "xla",
+        prefill_chunk: int = 512,
+        min_cache_len: int = 1024,
+        max_cache_len: int | None = None,
+        progress: bool = False,
+        model: Granite | None = None,
+        tokenizer: Any = None,
+    ):
+        if dtype not in DTYPES:
+            raise GenerationError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
+            if not (isinstance(value, int) and value >= 1):
+                raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
+        if max_cache_len is not None and not (isinstance(max_cache_len, int) and max_cache_len >= 1):
+            raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
+        if model is None:
+            model_dir = model_dir if model_dir is not None else default_model_dir()
+            if model_dir is None:
+                raise GenerationError(NO_MODEL_MESSAGE)
+            model = load_model(model_dir, dtype=DTYPES[dtype], ssd_impl=ssd_impl, progress=progress)
+        self.model_dir = None if model_dir is None else os.fspath(model_dir)
+        self.model = model
+        self.cfg: ModelConfig = model.cfg
+        self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
+        self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
+        self.graphdef, self.state = nnx.split(model)
+        self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> count
+        self._executables: dict[tuple, Any] = {}
+        self.last_timing: Timing | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(
+        self,
+        prompts: Prompts,
+        sampling: SamplingConfig | None = None,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        stream_callback: StreamCallback | None = None,
+        **sampling_options: Any,
+    ) -> list[Result]:
+        """Generate for one prompt or a batch: strings, or token ids (a list of ints, or a list of lists).
+
+        Sampling options come from `sampling` and/or keyword arguments (`max_new_tokens=`, `temperature=`, ...).
+        `chat` applies the tokenizer's chat template (with `system` as the system message).
+        `stream_callback(row, text)` receives each row's text as it is produced.
+        """
+        sampling = _sampling_config(sampling, sampling_options)
+        texts, prompt_ids = self.encode(prompts, chat=chat, system=system)
+        if sampling.stop_strings and self.tokenizer is None:
+            raise GenerationError("stop_strings need a tokenizer, and this model directory has none")
+        layout = self.layout([len(ids) for ids in prompt_ids], sampling.max_new_tokens)
+        stop_ids = frozenset(self.cfg.eos_token_id if sampling.stop_token_ids is None else sampling.stop_token_ids)
+        rows = [
+            _RowStream(i, self.tokenizer, stop_ids, sampling.stop_strings, stream_callback)
+            for i in range(layout.batch_size)
+        ]
+        timing = self._run(prompt_ids, layout, sampling, rows)
+        self.last_timing = timing
+        return [
+            Result(text, tuple(ids), tuple(row.ids), row.text, row.finish_reason, timing)
+            for text, ids, row in zip(texts, prompt_ids, rows)
+        ]
+
+    def encode(
+        self, prompts: Prompts, *, chat: bool = False, system: str | None = None
+    ) -> tuple[list[str | None], list[list[int]]]:
+        """(prompt texts or None, token ids) of a prompt or batch, validated."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise GenerationError("no prompts given")
+        if all(_is_token_id(p) for p in prompts):
+            prompts = [prompts]  # one pre-tokenized prompt
+        if all(isinstance(p, str) for p in prompts):
+            return prompts, [self._tokenize(i, p, chat, system) for i, p in enumerate(prompts)]
+        if chat:
+            raise GenerationError("chat=True needs text prompts, not token ids")
+        ids = [self._check_ids(i, p) for i, p in enumerate(prompts)]
+        return [None] * len(ids), ids
+
+    def layout(self, lengths: Sequence[int], max_new_tokens: int) -> BatchLayout:
+        """Padding and cache sizes for prompts of these lengths; rejects prompts too long for the model."""
+        cfg, longest = self.cfg, max(lengths)
+        if cfg.rope_theta is not None:
+            limit = cfg.max_position_embeddings
+            if longest > limit:
+                raise GenerationError(
+                    f"prompt of {longest} tokens is longer than max_position_embeddings={limit} of this RoPE model"
+                )
+            max_new_tokens = min(max_new_tokens, limit - longest + 1)  # the last token is sampled, never fed
+        padded = bucket_length(longest, self.prefill_chunk)
+        need = padded + max_new_tokens - 1  # the last sampled token is never written to the cache
+        if not has_attention(cfg):
+            cache_len = 0
+        elif self.max_cache_len is not None:
+            if need > self.max_cache_len:
+                raise GenerationError(
+                    f"prompt ({longest} tokens, padded to {padded}) plus max_new_tokens={max_new_tokens} needs "
+                    f"{need} KV-cache slots, more than max_cache_len={self.max_cache_len}"
+                )
+            cache_len = self.max_cache_len
+        else:
+            cache_len = cache_bucket(need, self.min_cache_len)
+        segment = padded if padded <= self.prefill_chunk else self.prefill_chunk
+        return BatchLayout(tuple(lengths), padded, segment, cache_len, max_new_tokens)
+
+    def prefill(self, prompt_ids: Sequence[Sequence[int]], layout: BatchLayout, sampling: SamplingConfig | None = None):
+        """Run the prompts through the model in segments. Returns (last-position logits (b, V), first tokens, cache)."""
+        sampling = sampling or SamplingConfig()
+        params = sampling.device_params()
+        self._compile_prefill(layout, params)
+        return self._prefill(prompt_ids, layout, params)
+
+    def measure(self, batch_size: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Timing:
+        """Greedy generation of exactly `new_tokens` tokens for `batch_size` random prompts of `prompt_len` tokens."""
+        rng = np.random.default_rng(seed)
+        prompts = rng.integers(0, self.cfg.vocab_size, (batch_size, prompt_len)).tolist()
+        sampling = SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=())
+        return self.generate(prompts, sampling)[0].timing
+
+    # ------------------------------------------------------------------ internals
+
+    def _tokenize(self, index: int, prompt: str, chat: bool, system: str | None) -> list[int]:
+        if not prompt:
+            raise GenerationError(f"prompt {index + 1} is empty")
+        if self.tokenizer is None:
+            raise GenerationError(
+                f"{self.model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); pass token ids"
+            )
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise GenerationError(f"{self.model_dir}: the tokenizer has no chat template")
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": prompt}
+            ]
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise GenerationError(f"prompt {index + 1} is empty after tokenization")
+        return list(ids)
+
+    def _check_ids(self, index: int, ids) -> list[int]:
+        if isinstance(ids, str) or not isinstance(ids, Sequence | np.ndarray):
+            raise GenerationError("prompts must be all strings or all lists of token ids")
+        ids = [int(i) for i in ids] if all(_is_token_id(i) for i in ids) else None
+        if ids is None:
+            raise GenerationError(f"prompt {index + 1}: token ids must be integers")
+        if not ids:
+            raise GenerationError(f"prompt {index + 1} is empty")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise GenerationError(
+                f"prompt {index + 1}: token id {bad[0]} is outside [0, vocab_size={self.cfg.vocab_size})"
+            )
+        return ids
+
+    def _executable(self, kind: str, key: tuple, fn, *args, model: bool = True):
+        """The AOT-compiled `fn` for these argument shapes (compiled on first use; counted in `compilations`).
+
+        With `model`, fn's first two arguments are the graphdef (bound here) and the state, and the cache after them
+        is donated.
+        """
+        full_key = (kind, *key)
+        if full_key not in self._executables:
+            if model:
+                jitted = jax.jit(functools.partial(fn, self.graphdef), donate_argnums=(1,))
+                args = (self.state, *args)
+            else:
+                jitted = jax.jit(fn)
+            self._executables[full_key] = jitted.lower(*args).compile()
+            self.compilations[kind] += 1
+        return self._executables[full_key]
+
+    def _compile_cache(self, layout: BatchLayout):
+        """Allocates a zeroed cache for this layout from pad (b,) (compiled, so no eager per-array dispatch)."""
+        init = functools.partial(Cache.init, self.cfg, layout.batch_size, layout.cache_len, self.model.dtype)
+        pad = jax.ShapeDtypeStruct((layout.batch_size,), jnp.int32)
+        return self._executable("cache", (layout.batch_size, layout.cache_len), init, pad, model=False)
+
+    def _abstract_cache(self, layout: BatchLayout) -> Cache:
+        init = functools.partial(Cache.init, self.cfg, layout.batch_size, layout.cache_len, self.model.dtype)
+        return jax.eval_shape(init, jax.ShapeDtypeStruct((layout.batch_size,), jnp.int32))
+
+    def _compile_prefill(self, layout: BatchLayout, params: SamplerParams):
+        b, t = layout.batch_size, layout.segment_len
+        tokens = jax.ShapeDtypeStruct((b, t), jnp.int32)
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        cache = self._abstract_cache(layout)
+        return self._executable("prefill", (b, t, layout.cache_len), _prefill_segment, cache, tokens, params, step)
+
+    def _compile_decode(self, layout: BatchLayout, params: SamplerParams):
+        b = layout.batch_size
+        tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
+        step = jax.ShapeDtypeStruct((), jnp.int32)
+        cache = self._abstract_cache(layout)
+        return self._executable("decode", (b, layout.cache_len), _decode_step, cache, tokens, params, step)
+
+    def _prefill(self, prompt_ids, layout: BatchLayout, params: SamplerParams):
+        run = self._compile_prefill(layout, params)
+        pad_id = self.cfg.pad_token_id if self.cfg.pad_token_id is not None else 0
+        tokens = layout.tokens(prompt_ids, pad_id)
+        cache = self._compile_cache(layout)(layout.pad)
+        step = np.int32(0)
+        for start in range(0, layout.padded_len, layout.segment_len):
+            segment = tokens[:, start : start + layout.segment_len]
+            logits, first, cache = run(self.state, cache, segment, params, step)
+        return logits, first, cache
+
+    def _run(self, prompt_ids, layout: BatchLayout, sampling: SamplingConfig, rows: list[_RowStream]) -> Timing:
+        params = sampling.device_params()
+        t0 = time.perf_counter()
+        self._compile_cache(layout)
+        self._compile_prefill(layout, params)
+        decode = self._compile_decode(layout, params) if layout.max_new_tokens > 1 else None
+        t1 = time.perf_counter()
+        _, tokens, cache = self._prefill(prompt_ids, layout, params)
+        self._push(rows, np.asarray(tokens))
+        t2 = time.perf_counter()
+        steps = produced = 0
+        for step in range(1, layout.max_new_tokens):
+            if all(row.done for row in rows):
+                break
+            tokens, cache = decode(self.state, cache, tokens, params, np.int32(step))
+            produced += self._push(rows, np.asarray(tokens))
+            steps += 1
+        t3 = time.perf_counter()
+        for row in rows:
+            row.finish()
+        return Timing(
+            batch_size=layout.batch_size,
+            prompt_tokens=sum(layout.lengths),
+            padded_prompt_len=layout.padded_len,
+            cache_len=layout.cache_len,
+            prefill_s=t2 - t1,
+            decode_steps=steps,
+            decode_tokens=produced,
+            decode_s=t3 - t2,
+            compile_s=t1 - t0,
+        )
+
+    @staticmethod
+    def _push(rows: list[_RowStream], tokens: np.ndarray) -> int:
+        live = [row for row in rows if not row.done]
+        for row in live:
+            row.push(int(tokens[row.row]))
+        return len(live)
+
+
+def has_attention(cfg: ModelConfig) -> bool:
+    return ATTENTION in cfg.layer_types
+
+
+def _is_token_id(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _sampling_config(sampling: SamplingConfig | None, options: dict[str, Any]) -> SamplingConfig:
+    try:
+        if sampling is None:
+            return SamplingConfig(**options)
+        return sampling.replace(**options) if options else sampling
+    except TypeError as e:  # an unknown keyword
+        raise GenerationError(f"unknown sampling option ({e})") from None
+
+
+def generate(model_dir: str | os.PathLike | None, prompt: Prompts, **kwargs: Any) -> Result | list[Result]:
+    """Load a model and generate once: a `Result` for one text prompt, a list for a batch.
+
+    Keyword arguments go to `Generator` (dtype, ssd_impl, prefill_chunk, ...) or to `Generator.generate`
+    (sampling options, chat, system, stream_callback).
+    """
+    init_keys = {"dtype", "ssd_impl", "prefill_chunk", "min_cache_len", "max_cache_len", "progress"}
+    generator = Generator(model_dir, **{k: v for k, v in kwargs.items() if k in init_keys})
+    results = generator.generate(prompt, **{k: v for k, v in kwargs.items() if k not in init_keys})
+    single = isinstance(prompt, str) or (len(prompt) > 0 and all(_is_token_id(t) for t in prompt))
+    return results[0] if single else results
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit code 2 (argparse's default prints the usage too)
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m granite_jax.generate",
+        description="Generate text with a Granite 4.0 (GraniteMoeHybrid) checkpoint in JAX. "
+        "Prompts come from --prompt, --prompt-file or, if neither is given, standard input (one prompt). "
+        "Several prompts run as one left-padded batch; each stops on its own.",
+        epilog="Examples:\n"
+        '  python -m granite_jax.generate --model ckpt/granite-4.0-h-350m --prompt "The capital of France is"\n'
+        '  python -m granite_jax.generate --model DIR --chat --system "Be brief." --prompt "Why is the sky blue?"\n'
+        "  python -m granite_jax.generate --model DIR --prompt-file prompts.txt --temperature 0.7 --top-p 0.9 --json\n"
+        "  echo 'Once upon a time' | python -m granite_jax.generate --model DIR --max-new-tokens 64\n\n"
+        "Exit status: 0 on success, 2 on invalid input (bad flag value, missing model, prompt too long, ...).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    io = p.add_argument_group("model and prompts")
+    io.add_argument(
+        "--model",
+        metavar="DIR",
+        help="checkpoint directory: a Hugging Face GraniteMoeHybrid checkpoint (config.json, *.safetensors) with its "
+        "tokenizer files; the tokenizer is loaded with transformers' AutoTokenizer from local files only. "
+        "Required until a checkpoint ships with granite-jax.",
+    )
+    io.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for a batch")
+    io.add_argument(
+        "--prompt-file",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a UTF-8 file with one prompt per line (blank lines are skipped); repeatable. "
+        "For one multi-line prompt, pipe it on standard input instead.",
+    )
+    io.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap each prompt as a user message in the tokenizer's chat template (with the assistant turn opened)",
+    )
+    io.add_argument("--system", metavar="TEXT", help="system message for --chat")
+    s = p.add_argument_group("sampling and stopping")
+    s.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate per prompt (128)")
+    s.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples softmax(l/T)"
+    )
+    s.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (0 = all)")
+    s.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample among the fewest most likely tokens with probability >= P, in (0, 1] (1 = all)",
+    )
+    s.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same output (0)")
+    s.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop a sequence at this string (repeatable)"
+    )
+    s.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        default=None,
+        metavar="ID",
+        help="stop a sequence at this token id (repeatable); replaces the model's eos_token_id",
+    )
+    s.add_argument("--ignore-eos", action="store_true", help="do not stop at eos_token_id (always --max-new-tokens)")
+    r = p.add_argument_group("runtime")
+    r.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights and activations dtype (float32)")
+    r.add_argument(
+        "--ssd-impl", choices=["xla", "naive", "pallas"], default="xla", help="Mamba-2 SSD implementation (xla)"
+    )
+    r.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        metavar="N",
+        help="longest prompt segment processed at once; longer prompts are prefilled in segments that carry the "
+        "conv, SSM and KV state, so prefill memory is bounded by the segment (512)",
+    )
+    r.add_argument(
+        "--max-cache-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fixed number of KV-cache slots (padded prompt + new tokens must fit); default: sized per request "
+        "in buckets (>= 1024)",
+    )
+    o = p.add_argument_group("output")
+    stream = o.add_mutually_exclusive_group()
+    stream.add_argument(
+        "--stream",
+        dest="stream",
+        action="store_true",
+        default=None,
+        help="print tokens as they are produced (default for a single prompt without --json)",
+    )
+    stream.add_argument("--no-stream", dest="stream", action="store_false", help="print each text when it is done")
+    o.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document: texts, token ids, finish reasons and prefill/decode tokens per second",
+    )
+    o.add_argument("--quiet", action="store_true", help="no progress bar and no timing line on stderr")
+    return p
+
+
+def _read_text(path: str | None) -> str:
+    """A file's (or, for None, standard input's) text, strictly UTF-8."""
+    where = "standard input" if path is None else path
+    try:
+        data = sys.stdin.buffer.read() if path is None else open(path, "rb").read()
+    except OSError as e:
+        raise GenerationError(f"{where}: cannot read ({e.strerror})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def _collect_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        prompts += [line for line in _read_text(path).splitlines() if line.strip()]
+    if not args.prompt and not args.prompt_file:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise GenerationError("no prompt: pass --prompt TEXT, --prompt-file FILE or text on standard input")
+        text = _read_text(None)
+        prompts = [text[:-1] if text.endswith("\n") else text]
+    if not prompts:
+        raise GenerationError("no prompt: the prompt files are empty")
+    return prompts
+
+
+def _sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
+    stop_ids = () if args.ignore_eos else None
+    if args.stop_token_id is not None:
+        stop_ids = tuple(args.stop_token_id)
+    return SamplingConfig(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=stop_ids,
+        stop_strings=tuple(args.stop),
+    )
+
+
+def _timing_line(t: Timing) -> str:
+    return (
+        f"prefill: {t.prompt_tokens} tokens in {t.prefill_s:.3f} s ({t.prefill_tokens_per_s:.1f} tok/s); "
+        f"decode: {t.decode_tokens} tokens in {t.decode_s:.3f} s ({t.decode_tokens_per_s:.1f} tok/s); "
+        f"compile: {t.compile_s:.1f} s"
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    sampling = _sampling_from_args(args)  # validate flags before the (slow) model load
+    if args.model is None and default_model_dir() is None:
+        raise GenerationError(NO_MODEL_MESSAGE)
+    if args.model is not None and not os.path.isdir(args.model):
+        raise GenerationError(f"{args.model}: model directory not found")
+    prompts = _collect_prompts(args)
+    generator = Generator(
+        args.model,
+        dtype=args.dtype,
+        ssd_impl=args.ssd_impl,
+        prefill_chunk=args.prefill_chunk,
+        max_cache_len=args.max_cache_len,
+        progress=not args.quiet and not args.json,
+    )
+    stream = args.stream if args.stream is not None else (len(prompts) == 1 and not args.json)
+    results = generator.generate(
+        prompts,
+        sampling,
+        chat=args.chat,
+        system=args.system,
+        stream_callback=_printer(len(prompts)) if stream else None,
+    )
+    timing = results[0].timing
+    if args.json:
+        doc = {
+            "model": args.model,
+            "dtype": args.dtype,
+            "sampling": dataclasses.asdict(sampling),
+            "results": [r.as_dict() for r in results],
+            "prefill_tokens_per_s": timing.prefill_tokens_per_s,
+            "decode_tokens_per_s": timing.decode_tokens_per_s,
+            "timing": timing.as_dict(),
+        }
+        print(json.dumps(_json_safe(doc), indent=2, ensure_ascii=False))
+    elif stream:
+        print(flush=True)
+    elif len(results) == 1:
+        print(results[0].text)
+    else:
+        for i, r in enumerate(results):
+            print(f"=== prompt {i + 1} ({r.finish_reason}) ===\n{r.text}")
+    if not args.quiet and not args.json:
+        print(_timing_line(timing), file=sys.stderr)
+    return 0
+
+
+def _printer(n_prompts: int) -> StreamCallback:
+    """Streaming output: a single prompt's text as is; for a batch, one `[row] 'piece'` line per piece."""
+    if n_prompts == 1:
+        return lambda row, text: print(text, end="", flush=True)
+    return lambda row, text: print(f"[{row + 1}] {text!r}", flush=True)
+
+
+def _json_safe(x):
+    """NaN/inf (e.g. decode tokens/s with a single new token) become null, as JSON has no NaN."""
+    if isinstance(x, float):
+        return x if np.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run_cli(args)
+    except (GenerationError, ConfigError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
