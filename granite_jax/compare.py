@@ -1,0 +1,502 @@
+"""granite-jax side by side with the PyTorch stack: the same weights in transformers' GraniteMoeHybridForCausalLM.
+
+    python -m granite_jax.compare --model DIR                         # a HF or orbax checkpoint directory
+    python -m granite_jax.compare --config granite-4.0-h-350m         # random weights of a released shape
+
+Prints one table: per-layer max and relative error of the hidden states, greedy continuation agreement, prefill and
+decode speed of both and their ratios; saves compare.json and compare.png.
+
+How each number is measured:
+- Errors: one forward over random prompts in both; granite-jax's layer outputs (`forward(return_hidden=True)`)
+  against transformers' `output_hidden_states` (whose last entry has the final norm applied, so ours does too), and
+  the logits. Relative error is ||jax - hf|| / ||hf|| over the whole tensor.
+- Greedy agreement: each prompt is continued greedily by both (`Generator.generate` and `model.generate`), one prompt
+  at a time; a row agrees up to its first differing token.
+- Speed: greedy generation of exactly `new_tokens` tokens from `batch` random prompts of `prompt_len` tokens, best of
+  `repeats` runs after a warm-up. Prefill: prompt in, first token on the host. Decode: the remaining tokens of every
+  row over the remaining time. granite-jax times itself (`Generator.measure`, compilation excluded); transformers
+  is timed by a streamer that stamps each token as `generate` emits it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from granite_jax.checkpoint import is_orbax_checkpoint
+from granite_jax.config import ConfigError
+from granite_jax.experiments.common import (
+    ExperimentError,
+    ModelSpec,
+    environment,
+    format_value,
+    matplotlib_pyplot,
+    model_summary,
+    random_tokens,
+    write_json,
+)
+from granite_jax.model import Granite
+from granite_jax.params import CheckpointError
+
+PROMPTS = (
+    "The Granite 4.0 models mix Mamba-2 layers with a few attention layers, so that",
+    "def fibonacci(n):\n    ",
+    "Three things to check before a long trip by car:",
+    "Translate to French: The weather is nice today.",
+)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+@dataclasses.dataclass
+class Pair:
+    """The same weights in granite-jax and in transformers."""
+
+    jax: Granite
+    hf: Any  # transformers GraniteMoeHybridForCausalLM
+    dtype: str
+    source: str
+    tokenizer: Any = None
+
+
+def load_pair(spec: ModelSpec, *, dtype: str = "float32", ssd_impl: str = "xla") -> Pair:
+    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory)."""
+    quiet_transformers()
+    model = spec.load(dtype=dtype, ssd_impl=ssd_impl)
+    hf = hf_model(model, spec.checkpoint, dtype)
+    return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint))
+
+
+def hf_model(model: Granite, checkpoint: str | None, dtype: str):
+    """transformers' model with the weights of `model`: read from `checkpoint` if it is a HF directory, else exported
+    to a temporary HF directory first."""
+    import torch
+    from transformers import GraniteMoeHybridForCausalLM
+
+    from granite_jax.convert import export_safetensors
+
+    torch_dtype = getattr(torch, dtype)
+    if checkpoint and not is_orbax_checkpoint(checkpoint):
+        return GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
+    tmp = tempfile.mkdtemp(prefix="granite-jax-export-")
+    try:
+        export_safetensors(model, tmp, dtype=dtype)
+        return GraniteMoeHybridForCausalLM.from_pretrained(tmp, dtype=torch_dtype).eval()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_tokenizer(checkpoint: str | None):
+    if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+
+
+def quiet_transformers() -> None:
+    """transformers warns on CPU that its fused kernels are missing; the comparison is with its reference path."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def layer_errors(pair: Pair, tokens: np.ndarray) -> list[dict[str, Any]]:
+    """Per-layer max absolute and relative error of granite-jax's hidden states (and logits) against transformers'."""
+    import torch
+
+    forward = jax.jit(lambda m, t: m.forward(t, return_hidden=True))
+    logits, _, hidden = forward(pair.jax, jnp.asarray(tokens))
+    ours = [*hidden[:-1], pair.jax.norm(hidden[-1])]  # transformers' last hidden state is after the final norm
+    with torch.inference_mode():
+        out = pair.hf(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
+    theirs = list(out.hidden_states[1:])
+    kinds = pair.jax.cfg.layer_types
+    rows = [
+        dict(layer=str(i), kind=kinds[i] + (" + final norm" if i == len(kinds) - 1 else ""), **_errors(a, b))
+        for i, (a, b) in enumerate(zip(ours, theirs))
+    ]
+    return rows + [dict(layer="logits", kind="", **_errors(logits, out.logits))]
+
+
+def _errors(ours, theirs) -> dict[str, float]:
+    a = np.asarray(ours, np.float64)
+    b = theirs.detach().double().numpy()
+    diff = a - b
+    return dict(
+        max_abs_err=float(np.abs(diff).max()),
+        rel_err=float(np.linalg.norm(diff) / max(np.linalg.norm(b), 1e-30)),
+        max_abs=float(np.abs(b).max()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- greedy agreement
+
+
+def greedy_agreement(pair: Pair, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
+    """Continue each prompt greedily in both; count the tokens each row agrees on before the first difference."""
+    generator = make_generator(pair.jax)
+    rows = []
+    for ids in prompts:
+        ours = generator.generate([list(ids)], greedy(new_tokens))[0].token_ids
+        theirs = hf_generate(pair.hf, np.asarray([ids]), new_tokens)[0][len(ids) :].tolist()
+        agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        rows.append(dict(prompt_tokens=len(ids), agree=agree, jax=list(ours), hf=theirs))
+    total = sum(len(r["jax"]) for r in rows)
+    agreed = sum(r["agree"] for r in rows)
+    return dict(
+        new_tokens=new_tokens, prompts=len(rows), agreed=agreed, total=total, fraction=agreed / total, rows=rows
+    )
+
+
+def agreement_prompts(pair: Pair, n: int, length: int, seed: int) -> list[list[int]]:
+    """The built-in text prompts when the checkpoint has a tokenizer, else random token ids."""
+    if pair.tokenizer is not None:
+        return [pair.tokenizer(p)["input_ids"] for p in PROMPTS[:n]]
+    return random_tokens(pair.jax.cfg.vocab_size, n, length, seed).tolist()
+
+
+def greedy(new_tokens: int):
+    from granite_jax.generate import SamplingConfig
+
+    return SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=())
+
+
+def make_generator(model: Granite):
+    from granite_jax.generate import Generator
+
+    return Generator(model=model, dtype=str(jnp.dtype(model.dtype)), ssd_impl=model.cfg.ssd_impl)
+
+
+def hf_generate(hf, tokens: np.ndarray, new_tokens: int, streamer=None) -> np.ndarray:
+    """transformers' greedy generation of exactly `new_tokens` tokens (no stop token), prompt included."""
+    import torch
+    from transformers import GenerationConfig
+
+    ids = torch.from_numpy(np.asarray(tokens, np.int64))
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=None
+    )
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer)
+    return out.numpy()
+
+
+# ---------------------------------------------------------------------------------------------- speed
+
+
+def jax_speed(generator, batch: int, prompt_len: int, new_tokens: int, repeats: int = 2) -> dict[str, float]:
+    """granite-jax generation timing (compilation excluded): best of `repeats` after one warm-up."""
+    warm = generator.measure(batch, prompt_len, new_tokens)
+    timings = [generator.measure(batch, prompt_len, new_tokens, seed=i + 1) for i in range(repeats)]
+    return _best(
+        [(t.prefill_s, t.decode_s, t.prompt_tokens, t.decode_tokens) for t in timings], compile_s=warm.compile_s
+    )
+
+
+def hf_speed(hf, vocab_size: int, batch: int, prompt_len: int, new_tokens: int, repeats: int = 2) -> dict[str, float]:
+    """transformers generation timing from per-token timestamps: best of `repeats` after one short warm-up."""
+    hf_generate(hf, random_tokens(vocab_size, batch, prompt_len, 0), 2)
+    runs = []
+    for i in range(repeats):
+        clock = _TokenClock()
+        hf_generate(hf, random_tokens(vocab_size, batch, prompt_len, i + 1), new_tokens, streamer=clock)
+        prefill_s, decode_s = clock.split()
+        runs.append((prefill_s, decode_s, batch * prompt_len, batch * (new_tokens - 1)))
+    return _best(runs)
+
+
+class _TokenClock:
+    """A transformers streamer that records when the prompt, each new token and the end are emitted."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+    def split(self) -> tuple[float, float]:  # (prompt -> first token, first token -> last token)
+        return self.times[1] - self.times[0], self.times[-2] - self.times[1]
+
+
+def _best(runs: Sequence[tuple[float, float, int, int]], **extra: float) -> dict[str, float]:
+    prefill_s = min(r[0] for r in runs)
+    decode_s = min(r[1] for r in runs)
+    prompt_tokens, decode_tokens = runs[0][2], runs[0][3]
+    return dict(
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        prefill_tokens_per_s=prompt_tokens / prefill_s,
+        decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else float("nan"),
+        **extra,
+    )
+
+
+def speed(
+    pair: Pair, batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int = 2, log=None
+) -> list[dict[str, Any]]:
+    """Prefill and decode tokens/s of both, and granite-jax's speed-up, at each batch size."""
+    generator = make_generator(pair.jax)
+    rows = []
+    for batch in batch_sizes:
+        _log(log, f"speed: granite-jax, batch {batch}")
+        ours = jax_speed(generator, batch, prompt_len, new_tokens, repeats)
+        _log(log, f"speed: transformers, batch {batch}")
+        theirs = hf_speed(pair.hf, pair.jax.cfg.vocab_size, batch, prompt_len, new_tokens, repeats)
+        rows.append(
+            dict(
+                batch=batch,
+                prompt_len=prompt_len,
+                new_tokens=new_tokens,
+                jax=ours,
+                hf=theirs,
+                prefill_speedup=ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
+                decode_speedup=ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+            )
+        )
+    return rows
+
+
+def _log(log, message: str) -> None:
+    if log is not None:
+        log(message)
+
+
+# ---------------------------------------------------------------------------------------------- the comparison
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    error_batch: int = 2
+    error_len: int = 320  # crosses a 256-token SSD chunk boundary
+    agreement_prompts: int = 4
+    agreement_len: int = 16
+    agreement_tokens: int = 32
+    batch_sizes: tuple[int, ...] = (1, 8)
+    prompt_len: int = 512
+    new_tokens: int = 32
+    repeats: int = 2
+    seed: int = 0
+    skip_speed: bool = False
+
+
+def run_compare(pair: Pair, options: Options, log=None) -> dict[str, Any]:
+    """Every number of the comparison, as a JSON-ready dict."""
+    cfg = pair.jax.cfg
+    _log(log, "per-layer errors")
+    tokens = random_tokens(cfg.vocab_size, options.error_batch, options.error_len, options.seed)
+    errors = layer_errors(pair, tokens)
+    _log(log, "greedy agreement")
+    prompts = agreement_prompts(pair, options.agreement_prompts, options.agreement_len, options.seed + 1)
+    agreement = greedy_agreement(pair, prompts, options.agreement_tokens)
+    speeds = (
+        []
+        if options.skip_speed
+        else speed(pair, options.batch_sizes, options.prompt_len, options.new_tokens, options.repeats, log)
+    )
+    return dict(
+        model=pair.source,
+        dtype=pair.dtype,
+        summary=model_summary(pair.jax),
+        options=dataclasses.asdict(options),
+        layer_errors=errors,
+        greedy=agreement,
+        speed=speeds,
+        environment=environment() | {"torch": _torch_version(), "transformers": _transformers_version()},
+    )
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def table(results: dict[str, Any]) -> str:
+    """The comparison as one Markdown table: measure | granite-jax | transformers | result."""
+    lines = ["| measure | granite-jax | transformers | result |", "|---|---|---|---|"]
+    for row in results["layer_errors"]:
+        label = "logits" if row["layer"] == "logits" else f"layer {row['layer']} ({row['kind']})"
+        result = f"max {format_value(row['max_abs_err'])}, rel {format_value(row['rel_err'])}"
+        lines.append(f"| {label}: max abs / rel error | | | {result} |")
+    g = results["greedy"]
+    lines.append(
+        f"| greedy agreement ({g['prompts']} prompts x {g['new_tokens']} tokens) | | | "
+        f"{g['agreed']}/{g['total']} tokens ({100 * g['fraction']:.1f}%) |"
+    )
+    for s in results["speed"]:
+        shape = f"batch {s['batch']}, {s['prompt_len']} tokens"
+        lines.append(_speed_line(f"prefill tok/s ({shape})", s, "prefill"))
+        lines.append(_speed_line(f"decode tok/s (batch {s['batch']}, {s['new_tokens']} new)", s, "decode"))
+    return "\n".join(lines) + "\n"
+
+
+def _speed_line(label: str, s: dict[str, Any], phase: str) -> str:
+    ours, theirs = s["jax"][f"{phase}_tokens_per_s"], s["hf"][f"{phase}_tokens_per_s"]
+    return f"| {label} | {ours:.1f} | {theirs:.1f} | {s[f'{phase}_speedup']:.2f}x |"
+
+
+def plot(results: dict[str, Any], path: str) -> str:
+    """Left: relative error per layer (log scale). Right: tokens/s of both, with the speed-ups."""
+    plt = matplotlib_pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    layers = [r for r in results["layer_errors"] if r["layer"] != "logits"]
+    colors = ["tab:blue" if r["kind"].startswith("mamba") else "tab:orange" for r in layers]
+    left.bar(range(len(layers)), [max(r["rel_err"], 1e-12) for r in layers], color=colors)
+    left.set_yscale("log")
+    left.set_xticks(range(len(layers)), [str(i) for i in range(len(layers))], fontsize=7 if len(layers) > 16 else 10)
+    left.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="relative error vs transformers")
+    left.set_title(f"hidden-state error, {results['dtype']}")
+    labels, ours, theirs, ratios = [], [], [], []
+    for s in results["speed"]:
+        for phase in ("prefill", "decode"):
+            labels.append(f"{phase}\nbatch {s['batch']}")
+            ours.append(s["jax"][f"{phase}_tokens_per_s"])
+            theirs.append(s["hf"][f"{phase}_tokens_per_s"])
+            ratios.append(s[f"{phase}_speedup"])
+    x = np.arange(len(labels))
+    right.bar(x - 0.2, ours, 0.4, label="granite-jax")
+    right.bar(x + 0.2, theirs, 0.4, label="transformers")
+    for xi, y, r in zip(x, ours, ratios):
+        right.annotate(f"{r:.1f}x", (xi - 0.2, y), ha="center", va="bottom", fontsize=9)
+    right.set_xticks(x, labels)
+    right.set_yscale("log")
+    right.set(ylabel="tokens / s")
+    right.set_title("speed (greedy generation)")
+    right.legend()
+    fig.suptitle(results["model"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2 (argparse prints the usage too)
+        self.exit(2, f"granite_jax.compare: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m granite_jax.compare",
+        description="Load the same weights into transformers' GraniteMoeHybridForCausalLM and into granite-jax, run "
+        "the same prompts, and print one table: per-layer max and relative error, greedy continuation agreement, "
+        "prefill and decode speed of both and the ratios. Saves compare.json and compare.png.",
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="DIR", help="checkpoint directory: Hugging Face safetensors or orbax")
+    source.add_argument(
+        "--config",
+        metavar="NAME",
+        help="random weights of an architecture: a released name (granite-4.0-h-350m, h-tiny, ...), 'tiny', "
+        "or a configs/models/*.py file",
+    )
+    p.add_argument("--num-layers", type=int, help="with --config: this many layers, same share of attention layers")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both models' dtype")
+    p.add_argument("--ssd-impl", default="xla", choices=("xla", "naive", "pallas"), help="granite-jax SSD (xla)")
+    p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes for the speed rows (1,8)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row for the speed rows (512)")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per row for the speed rows (32)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, best kept (2)")
+    p.add_argument("--error-len", type=int, default=320, help="prompt length of the per-layer error check (320)")
+    p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt compared (32)")
+    p.add_argument("--no-speed", action="store_true", help="skip the speed rows (errors and agreement only)")
+    p.add_argument("--out", metavar="DIR", help="where to write compare.json and compare.png (runs/compare-...)")
+    p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        raise ExperimentError(
+            f"--batch-sizes: {args.batch_sizes!r} is not a comma-separated list of integers"
+        ) from None
+    for name, value in (
+        ("--batch-sizes", min(batch_sizes, default=0)),
+        ("--prompt-len", args.prompt_len),
+        ("--new-tokens", args.new_tokens - 1),
+        ("--repeats", args.repeats),
+        ("--error-len", args.error_len),
+        ("--agreement-tokens", args.agreement_tokens),
+    ):
+        if value < 1:
+            raise ExperimentError(f"{name}: must be {'>= 2' if name == '--new-tokens' else 'positive'}")
+    return Options(
+        error_len=args.error_len,
+        agreement_tokens=args.agreement_tokens,
+        batch_sizes=batch_sizes,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        skip_speed=args.no_speed,
+    )
+
+
+def _default_out(args: argparse.Namespace) -> str:
+    name = os.path.basename(os.path.normpath(args.model)) if args.model else args.config
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    return os.path.join("runs", f"compare-{slug}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    log = None if args.quiet else (lambda m: print(f"[{time.perf_counter() - start:6.1f}s] {m}", file=sys.stderr))
+    try:
+        if args.model and args.num_layers is not None:
+            raise ExperimentError("--num-layers applies to --config (random weights) only")
+        options = options_from_args(args)
+        spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
+        _log(log, f"loading {spec.describe()} into granite-jax and transformers")
+        pair = load_pair(spec, dtype=args.dtype, ssd_impl=args.ssd_impl)
+        results = run_compare(pair, options, log)
+    except (ExperimentError, CheckpointError, ConfigError) as e:
+        print(f"granite_jax.compare: error: {e}", file=sys.stderr)
+        return 2
+    results["command"] = "python -m granite_jax.compare " + " ".join(sys.argv[1:] if argv is None else argv)
+    out = args.out or _default_out(args)
+    os.makedirs(out, exist_ok=True)
+    write_json(os.path.join(out, "compare.json"), results)
+    plot(results, os.path.join(out, "compare.png"))
+    print(f"{results['model']} ({results['dtype']}, {results['summary']['num_params'] / 1e6:.1f}M parameters)\n")
+    print(table(results))
+    print(f"wrote {out}/compare.json and compare.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

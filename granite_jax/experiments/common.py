@@ -1,0 +1,245 @@
+"""What every experiment and `granite_jax.compare` share: resolving a model, timing a call, compiled memory, outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
+from granite_jax.model import Granite, count_params
+from granite_jax.params import load_model
+from granite_jax.presets import RELEASED
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ExperimentError(ValueError):
+    """Bad experiment input (config value, model name, directory); the message is meant for the command line."""
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def model_names() -> list[str]:
+    return [*RELEASED, "tiny"]
+
+
+def model_config(name: str, num_layers: int | None = None) -> ModelConfig:
+    """The architecture called `name`: a released model ('granite-4.0-h-350m' or 'h-350m'), 'tiny', or a config file
+    (`configs/models/x.py`, optionally `:arg`) whose `get_config()` returns a config.json dict."""
+    hf = _model_dict(name)
+    try:
+        cfg = ModelConfig.from_hf_dict(hf, source=name)
+    except ConfigError as e:
+        raise ExperimentError(str(e)) from None
+    return cfg if num_layers is None else with_num_layers(cfg, num_layers)
+
+
+def _model_dict(name: str) -> dict[str, Any]:
+    path, _, arg = name.partition(":")
+    if path.endswith(".py"):
+        return _load_config_file(path, arg or None)
+    key = name if name.startswith("granite-") else f"granite-4.0-{name}"
+    if key in RELEASED:
+        return dict(RELEASED[key])
+    if name == "tiny":
+        from granite_jax.testing import TINY_CONFIG
+
+        return dict(TINY_CONFIG, vocab_size=320)
+    raise ExperimentError(
+        f"unknown model {name!r}; expected one of {', '.join(model_names())} or a configs/models file"
+    )
+
+
+def _load_config_file(path: str, arg: str | None) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ExperimentError(f"{path}: model config file not found")
+    spec = importlib.util.spec_from_file_location("_granite_model_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg is not None else module.get_config()
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def with_num_layers(cfg: ModelConfig, n: int) -> ModelConfig:
+    """`cfg` with n layers and the same share of attention layers (at least one if it had any), spread evenly."""
+    if n < 1:
+        raise ExperimentError(f"model.num_layers must be >= 1, got {n}")
+    n_attn = cfg.layer_types.count(ATTENTION)
+    keep = 0 if n_attn == 0 else min(n, max(1, round(n * n_attn / cfg.num_layers)))
+    at = {int((j + 0.5) * n / keep) for j in range(keep)}
+    return cfg.replace(layer_types=tuple(ATTENTION if i in at else MAMBA for i in range(n)))
+
+
+def random_model(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0) -> Granite:
+    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`."""
+    return Granite(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from: a checkpoint directory (HF or orbax) or random weights of a named architecture."""
+
+    checkpoint: str | None = None
+    name: str | None = None
+    num_layers: int | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.checkpoint:
+            return self.checkpoint
+        layers = "" if self.num_layers is None else f", {self.num_layers} layers"
+        return f"random weights of {self.name} (seed {self.seed}{layers})"
+
+    def load(self, *, dtype: str = "float32", ssd_impl: str = "xla", progress: bool = False) -> Granite:
+        if dtype not in DTYPES:
+            raise ExperimentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.checkpoint:
+            if self.num_layers is not None:
+                raise ExperimentError("model.num_layers applies to random weights only; unset it or model.checkpoint")
+            if not os.path.isdir(self.checkpoint):
+                raise ExperimentError(f"{self.checkpoint}: model directory not found")
+            return load_model(self.checkpoint, dtype=DTYPES[dtype], ssd_impl=ssd_impl, progress=progress)
+        if not self.name:
+            raise ExperimentError("no model: set a checkpoint directory or the name of an architecture")
+        cfg = model_config(self.name, self.num_layers).replace(ssd_impl=ssd_impl)
+        return random_model(cfg, dtype=DTYPES[dtype], seed=self.seed)
+
+
+def model_summary(model: Granite) -> dict[str, Any]:
+    cfg = model.cfg
+    return dict(
+        num_params=count_params(model),
+        num_layers=cfg.num_layers,
+        mamba_layers=cfg.layer_types.count(MAMBA),
+        attention_layers=cfg.layer_types.count(ATTENTION),
+        hidden_size=cfg.hidden_size,
+        num_local_experts=cfg.num_local_experts,
+        dtype=str(jnp.dtype(model.dtype)),
+        ssd_impl=cfg.ssd_impl,
+    )
+
+
+def random_tokens(vocab_size: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, (batch, length), dtype=np.int32)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def time_call(fn: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> dict[str, float]:
+    """Wall-clock seconds of `fn()` (its result blocked on): median, min and max over `repeats` after `warmup` runs."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return dict(median_s=statistics.median(times), min_s=min(times), max_s=max(times))
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """Memory an XLA executable needs (bytes): arguments, outputs, temporaries, and their sum as the peak bound."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    out = dict(
+        argument_bytes=int(stats.argument_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        temp_bytes=int(stats.temp_size_in_bytes),
+        alias_bytes=int(getattr(stats, "alias_size_in_bytes", 0)),
+    )
+    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    return out
+
+
+def sweep_lengths(seq_lens: Sequence[int] | None, seq_len: int, start: int = 256) -> list[int]:
+    """`seq_lens` if given, else powers of two from `start` up to and including `seq_len`."""
+    if seq_lens:
+        lengths = sorted({int(n) for n in seq_lens})
+    else:
+        lengths = [2**k for k in range(int(math.log2(start)), int(math.log2(max(seq_len, 1))) + 1) if 2**k <= seq_len]
+        if not lengths or lengths[-1] != seq_len:
+            lengths.append(seq_len)
+    if lengths[0] < 1:
+        raise ExperimentError(f"sequence lengths must be >= 1, got {lengths}")
+    return lengths
+
+
+def environment() -> dict[str, Any]:
+    import flax
+
+    device = jax.devices()[0]
+    return dict(
+        jax=jax.__version__,
+        flax=flax.__version__,
+        backend=jax.default_backend(),
+        device=getattr(device, "device_kind", str(device)),
+        device_count=jax.device_count(),
+        cpu_count=os.cpu_count(),
+        python=platform.python_version(),
+        platform=platform.platform(),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, default=_json_default, allow_nan=True)
+        f.write("\n")
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic | jax.Array | np.ndarray):
+        return np.asarray(x).tolist()
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return str(x)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A GitHub Markdown table of `rows` (dicts); numbers are formatted to 4 significant digits."""
+    if not rows:
+        return "(no rows)\n"
+    columns = list(columns or rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(format_value(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def format_value(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float | np.floating):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.3e}" if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e6) else f"{v:.4g}"
+    return str(v)
+
+
+def matplotlib_pyplot():
+    """pyplot with the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
