@@ -1,0 +1,298 @@
+"""The Pallas SSD kernels, interpreted on CPU, against the float64 recurrence; and their lowering for CUDA.
+
+Every interpreted run poisons the kernels' outputs with NaN first (`interpret_mode()` does it), so an element a kernel
+never writes fails the comparison. Inputs are fresh random draws each run; the seed is in every failure message.
+
+Tolerances, as max |kernel - reference| / max |reference| over y and over the final state:
+- float32 inputs: 1e-4. Interpreted, the kernels' float32 matmuls are exact float32 products; the remaining error
+  is float32 rounding of sums over a few hundred terms (observed ~1e-6).
+- bfloat16 inputs: 2e-2. The reference runs on the same bf16 values upcast to float64; the kernels round the
+  decay-weighted x, the decayed C B^T and the entering state to bf16 before their matmuls, as the reference Triton
+  kernels do (observed ~4e-3).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+import pallas_kernels
+from granite_jax.ssd import ssd_reference, ssd_step
+from pallas_kernels import DecodeConfig, PrefillConfig, _call, ssd_decode, ssd_prefill
+
+TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)  # Granite-4.0-H-Tiny's Mamba layer
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got)), "non-finite output (an unwritten, NaN-poisoned element or an inf * 0)"
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def _f64(t):
+    return None if t is None else jnp.asarray(np.asarray(t, np.float64))
+
+
+def _ssd_inputs(seed, b, L, h, p, g, n, dtype, *, initial=True, fast_decay=False, raw_dt=False):
+    """x, dt, A, B, C, D, initial state (numpy draws: no per-op compiles). dt is softplus'ed, or raw."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)
+    x, dt_raw, B, C, D = normal(b, L, h, p), normal(b, L, h) - 1.0, normal(b, L, g, n), normal(b, L, g, n), normal(h)
+    if fast_decay:  # dt * |A| up to ~50 per step: cumulative log-decays far below -88 inside one chunk
+        dt_raw = dt_raw + 3.0
+    A = -np.exp(rng.uniform(0.0, 2.5, h) if fast_decay else rng.uniform(-3.0, 0.5, h)).astype(np.float32)
+    s0 = normal(b, h, p, n) if initial else None
+    dt = dt_raw if raw_dt else _softplus(dt_raw)
+    cast = lambda t: jnp.asarray(t, dtype)
+    return cast(x), cast(dt), jnp.asarray(A), cast(B), cast(C), jnp.asarray(D), None if s0 is None else jnp.asarray(s0)
+
+
+def _softplus(t):
+    return np.logaddexp(t, 0.0).astype(np.float32)
+
+
+@jax.jit
+def _ssd_reference64(x, dt, A, B, C, D, s0):
+    return ssd_reference(x, dt, A, B, C, D, initial_state=s0)
+
+
+def _reference(x, dt, A, B, C, D, s0):
+    with jax.enable_x64(True):
+        if s0 is None:
+            s0 = np.zeros((x.shape[0], x.shape[2], x.shape[3], B.shape[3]))
+        y, s = _ssd_reference64(*map(_f64, (x, dt, A, B, C, D, s0)))
+        return np.asarray(y), np.asarray(s)
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+
+PREFILL_CASES = {
+    # name: (b, L, h, p, g, n, chunk, dtype, options)
+    "ragged_L_batch_groups_initial": (2, 100, 4, 32, 2, 32, 32, jnp.float32, dict(block_p=16)),
+    "L_shorter_than_chunk_odd_dims": (1, 10, 2, 8, 1, 12, 16, jnp.float32, dict(initial=False)),
+    "bf16_ragged_groups_initial": (2, 100, 4, 16, 2, 32, 32, jnp.bfloat16, {}),
+    "fast_decay_multi_block": (1, 70, 4, 16, 1, 16, 32, jnp.float32, dict(fast_decay=True, block_m=16, block_k=16)),
+    "bf16_fast_decay_one_group": (1, 64, 3, 16, 1, 16, 16, jnp.bfloat16, dict(fast_decay=True, initial=False)),
+}
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_matches_float64_recurrence(name):
+    b, L, h, p, g, n, chunk, dtype, opts = PREFILL_CASES[name]
+    opts = dict(opts)
+    seed = _seed()
+    inputs = _ssd_inputs(
+        seed, b, L, h, p, g, n, dtype, initial=opts.pop("initial", True), fast_decay=opts.pop("fast_decay", False)
+    )
+    config = PrefillConfig(**opts)
+    x, dt, A, B, C, D, s0 = inputs
+    with pallas_kernels.interpret_mode():
+        y, state = jax.jit(lambda *a: ssd_prefill(*a[:6], chunk_size=chunk, initial_state=a[6], config=config))(*inputs)
+    assert y.shape == (b, L, h, p) and y.dtype == jnp.float32
+    assert state.shape == (b, h, p, n) and state.dtype == jnp.float32
+    y_ref, s_ref = _reference(*inputs)
+    tol = TOLERANCE[dtype]
+    assert _rel_err(y, y_ref) < tol, f"y, seed {seed}"
+    assert _rel_err(state, s_ref) < tol, f"final state, seed {seed}"
+
+
+def test_prefill_applies_dt_bias_softplus_and_limit_in_kernel():
+    b, L, h, p, g, n = 1, 40, 4, 16, 2, 16
+    seed = _seed()
+    x, dt_raw, A, B, C, D, s0 = _ssd_inputs(seed, b, L, h, p, g, n, jnp.float32, raw_dt=True)
+    bias = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(h, np.float32) * 2.0)
+    limit = (0.05, 1.5)
+    with pallas_kernels.interpret_mode():
+        y, state = jax.jit(
+            lambda x, dt, bias, s0: ssd_prefill(
+                x, dt, A, B, C, D, chunk_size=16, initial_state=s0, dt_bias=bias, dt_softplus=True, dt_limit=limit
+            )
+        )(x, dt_raw, bias, s0)
+    dt = np.clip(_softplus(np.asarray(dt_raw + bias)), *limit)
+    y_ref, s_ref = _reference(x, dt, A, B, C, D, s0)
+    assert _rel_err(y, y_ref) < TOLERANCE[jnp.float32], f"seed {seed}"
+    assert _rel_err(state, s_ref) < TOLERANCE[jnp.float32], f"seed {seed}"
+
+
+def test_prefill_chunk_rounds_to_a_supported_power_of_two():
+    assert [pallas_kernels.kernel_chunk(c) for c in (1, 16, 48, 64, 100, 256, 1024)] == [16, 16, 64, 64, 128, 256, 256]
+
+
+def test_prefill_rejects_bad_shapes():
+    x = jnp.zeros((1, 8, 6, 16))
+    B = jnp.zeros((1, 8, 4, 16))
+    with pytest.raises(ValueError, match="must divide the head count"):
+        ssd_prefill(x, jnp.zeros((1, 8, 6)), jnp.zeros(6), B, B, jnp.zeros(6))
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+DECODE_CASES = {
+    # name: (b, h, p, g, n, dtype, block_p)
+    "batch_groups_f32": (2, 4, 32, 2, 32, jnp.float32, 16),
+    "bf16": (3, 4, 16, 1, 16, jnp.bfloat16, 16),
+    "odd_dims": (1, 3, 8, 1, 12, jnp.float32, 16),
+}
+
+
+def _decode_inputs(seed, b, h, p, g, n, dtype, *, fast_decay=False):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)
+    cast = lambda t: jnp.asarray(t, dtype)
+    dt = _softplus(normal(b, h) + (4.0 if fast_decay else 0.0))
+    A = -np.exp(rng.uniform(-3.0, 3.0 if fast_decay else 0.5, h)).astype(np.float32)
+    state, x, B, C, D = normal(b, h, p, n), normal(b, h, p), normal(b, g, n), normal(b, g, n), normal(h)
+    return jnp.asarray(state), cast(x), cast(dt), jnp.asarray(A), cast(B), cast(C), jnp.asarray(D)
+
+
+@jax.jit
+def _ssd_step64(state, x, dt, A, B, C, D):
+    return ssd_step(state, x, dt, A, B, C, D)
+
+
+def _step_reference(state, x, dt, A, B, C, D):
+    with jax.enable_x64(True):
+        y, s = _ssd_step64(*map(_f64, (state, x, dt, A, B, C, D)))
+        return np.asarray(y), np.asarray(s)
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_matches_float64_step(name):
+    b, h, p, g, n, dtype, block_p = DECODE_CASES[name]
+    seed = _seed()
+    inputs = _decode_inputs(seed, b, h, p, g, n, dtype, fast_decay=name == "bf16")
+    with pallas_kernels.interpret_mode():
+        y, state = jax.jit(lambda *a: ssd_decode(*a, config=DecodeConfig(block_p=block_p)))(*inputs)
+    assert y.shape == (b, h, p) and y.dtype == jnp.float32 and state.shape == (b, h, p, n)
+    y_ref, s_ref = _step_reference(*inputs)
+    tol = 1e-5  # elementwise float32 work only: no bf16 rounding inside the kernel
+    assert _rel_err(y, y_ref) < tol, f"y, seed {seed}"
+    assert _rel_err(state, s_ref) < tol, f"state, seed {seed}"
+
+
+def test_decode_applies_dt_bias_softplus_and_limit_in_kernel():
+    seed = _seed()
+    state, x, dt_raw, A, B, C, D = _decode_inputs(seed, 2, 4, 16, 2, 16, jnp.float32)
+    bias = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(4, np.float32) * 3.0)
+    limit = (0.1, 2.0)
+    with pallas_kernels.interpret_mode():
+        y, new_state = jax.jit(lambda *a: ssd_decode(*a, dt_bias=bias, dt_softplus=True, dt_limit=limit))(
+            state, x, dt_raw, A, B, C, D
+        )
+    y_ref, s_ref = _step_reference(state, x, np.clip(_softplus(np.asarray(dt_raw + bias)), *limit), A, B, C, D)
+    assert _rel_err(y, y_ref) < 1e-5 and _rel_err(new_state, s_ref) < 1e-5, f"seed {seed}"
+
+
+# ---------------------------------------------------------------------------------------------- platform
+
+
+def test_kernels_refuse_to_run_without_a_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU is attached")
+    state, x, dt, A, B, C, D = _decode_inputs(0, 1, 2, 16, 1, 16, jnp.float32)
+    with pytest.raises(pallas_kernels.PallasUnavailableError, match="needs an NVIDIA GPU; use 'xla'"):
+        ssd_decode(state, x, dt, A, B, C, D)
+    with pytest.raises(pallas_kernels.PallasUnavailableError, match="needs an NVIDIA GPU"):
+        ssd_prefill(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, chunk_size=16)
+
+
+def test_interpret_mode_poisons_unwritten_outputs():
+    def writes_first_half(x_ref, o_ref):
+        o_ref[:8] = x_ref[:8]
+
+    spec = pl.BlockSpec((16,), lambda i: (0,))
+    with pallas_kernels.interpret_mode():
+        out = _call.call(
+            writes_first_half,
+            name="half",
+            grid=(1,),
+            in_specs=[spec],
+            out_specs=[spec],
+            out_shape=[jax.ShapeDtypeStruct((16,), jnp.float32)],
+            num_warps=1,
+            num_stages=1,
+        )(jnp.ones(16))[0]
+    assert np.all(np.asarray(out[:8]) == 1) and np.all(np.isnan(np.asarray(out[8:])))
+
+
+# ---------------------------------------------------------------------------------------------- CUDA lowering
+
+
+def _prefill_structs(b, L, h, p, g, n, dtype):
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    return (S((b, L, h, p), dtype), S((b, L, h), dtype), S((h,), f32), S((b, L, g, n), dtype), S((b, L, g, n), dtype),
+            S((h,), f32), S((b, h, p, n), f32))  # fmt: skip
+
+
+def _decode_structs(b, h, p, g, n, dtype):
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    return (S((b, h, p, n), f32), S((b, h, p), dtype), S((b, h), dtype), S((h,), f32), S((b, g, n), dtype),
+            S((b, g, n), dtype), S((h,), f32))  # fmt: skip
+
+
+LOWERING_DIMS = {
+    "h_tiny_8k": dict(b=1, L=8192, **H_TINY),
+    "small_ragged": dict(b=2, L=100, h=4, p=16, g=2, n=32, chunk=32),
+}
+
+
+def _prefill_fn(chunk):
+    return lambda *a: ssd_prefill(*a[:6], chunk_size=chunk, initial_state=a[6], dt_bias=a[2], dt_softplus=True)
+
+
+def _triton_calls(text: str) -> int:
+    return text.count("__gpu$xla.gpu.triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dims", LOWERING_DIMS)
+def test_kernels_lower_for_cuda(dims, dtype):
+    d = dict(LOWERING_DIMS[dims])
+    chunk = d.pop("chunk")
+    b, L, h, p, g, n = (d[k] for k in "b L h p g n".split())
+    with pallas_kernels.cuda_lowering():
+        prefill = jax.jit(_prefill_fn(chunk)).trace(*_prefill_structs(b, L, h, p, g, n, dtype))
+        prefill = prefill.lower(lowering_platforms=("cuda",)).as_text()
+        decode = jax.jit(ssd_decode, donate_argnums=0).trace(*_decode_structs(b, h, p, g, n, dtype))
+        decode = decode.lower(lowering_platforms=("cuda",)).as_text()
+    assert _triton_calls(prefill) == 2, "prefill: the state and output kernels, both Triton custom calls"
+    assert _triton_calls(decode) == 1
+    assert "output_operand_aliases" in decode, "decode must update the state in place"
+
+
+# ---------------------------------------------------------------------------------------------- deviceless compile
+
+
+def _aot_device():
+    from pallas_kernels import aot
+
+    try:
+        return aot.gpu_device("h200")
+    except aot.AotUnavailableError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernels_compile_for_h200_at_h_tiny_dims(dtype):
+    """Triton and ptxas accept the kernels for sm_90 (shared memory, registers); needs the CUDA PJRT plugin."""
+    from pallas_kernels import aot
+
+    _aot_device()
+    d = dict(b=1, L=8192, **H_TINY)
+    chunk = d.pop("chunk")
+    with pallas_kernels.cuda_lowering():
+        aot.compile_for_gpu(_prefill_fn(chunk), *_prefill_structs(**d, dtype=dtype))
+        aot.compile_for_gpu(ssd_decode, *_decode_structs(8, d["h"], d["p"], d["g"], d["n"], dtype))
