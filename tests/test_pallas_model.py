@@ -1,0 +1,70 @@
+"""The model with ssd_impl="pallas" (kernels interpreted on CPU) equals ssd_impl="xla" on a tiny config.
+
+Covers the prefill kernel (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
+prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pallas_kernels
+from granite_jax.config import ModelConfig
+from granite_jax.model import Cache, Granite, with_ssd_impl
+
+TOLERANCE = 1e-4  # float32 throughout: relative (Frobenius) error of the logits
+TINY = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    layer_types=("mamba", "attention", "mamba"),
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=32,
+    shared_intermediate_size=32,
+    num_local_experts=0,
+    num_experts_per_tok=0,
+    mamba_n_heads=4,
+    mamba_d_head=16,
+    mamba_d_state=16,
+    mamba_n_groups=2,
+    mamba_chunk_size=16,
+)
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite logits"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@jax.jit
+def _prefill_then_decode(model, prompt, second, steps):
+    """Logits of: the prompt from scratch, a second segment from the cache, then single-token decode steps."""
+    cache = Cache.init(model.cfg, prompt.shape[0], prompt.shape[1] + second.shape[1] + steps.shape[1])
+    first, cache, _ = model.forward(prompt, cache=cache)
+    middle, cache, _ = model.forward(second, cache=cache)
+    decoded = []
+    for t in range(steps.shape[1]):
+        logits, cache, _ = model.forward(steps[:, t : t + 1], cache=cache)
+        decoded.append(logits)
+    return first, middle, jnp.concatenate(decoded, axis=1), cache.layers[0].ssm
+
+
+def test_pallas_model_equals_xla():
+    xla = Granite(TINY, rngs=nnx.Rngs(0))
+    pallas = with_ssd_impl(xla, "pallas")
+    assert pallas.layers[0].mamba.cfg.ssd_impl == "pallas"
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 40 + 9 + 2)))
+    prompt, second, steps = tokens[:, :40], tokens[:, 40:49], tokens[:, 49:]
+
+    want = _prefill_then_decode(xla, prompt, second, steps)
+    with pallas_kernels.interpret_mode():
+        got = _prefill_then_decode(pallas, prompt, second, steps)
+    for name, g, w in zip(("prompt logits", "second segment logits", "decode logits", "final state"), got, want):
+        err = _rel_err(g, w)
+        print(f"{name}: {err:.1e}")
+        assert err <= TOLERANCE, name
