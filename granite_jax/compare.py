@@ -119,11 +119,13 @@ def quiet_transformers() -> None:
 # ---------------------------------------------------------------------------------------------- errors
 
 
-def layer_errors(pair: Pair, tokens: np.ndarray) -> list[dict[str, Any]]:
-    """Per-layer max absolute and relative error of granite-jax's hidden states (and logits) against transformers'."""
+def layer_errors(pair: Pair, tokens: np.ndarray, *, rewritten: bool = False) -> list[dict[str, Any]]:
+    """Per-layer max absolute and relative error of granite-jax's hidden states (and logits) against transformers'.
+
+    `rewritten`: run granite-jax's forward through `rewriter.rewrite`."""
     import torch
 
-    forward = jax.jit(lambda m, t: m.forward(t, return_hidden=True))
+    forward = jax.jit(maybe_rewritten(lambda m, t: m.forward(t, return_hidden=True), rewritten))
     logits, _, hidden = forward(pair.jax, jnp.asarray(tokens))
     ours = [*hidden[:-1], pair.jax.norm(hidden[-1])]  # transformers' last hidden state is after the final norm
     with torch.inference_mode():
@@ -135,6 +137,15 @@ def layer_errors(pair: Pair, tokens: np.ndarray) -> list[dict[str, Any]]:
         for i, (a, b) in enumerate(zip(ours, theirs))
     ]
     return rows + [dict(layer="logits", kind="", **_errors(logits, out.logits))]
+
+
+def maybe_rewritten(fn, rewritten: bool):
+    """`rewriter.rewrite(fn)` when asked for, else `fn`."""
+    if not rewritten:
+        return fn
+    import rewriter
+
+    return rewriter.rewrite(fn)
 
 
 def _errors(ours, theirs) -> dict[str, float]:

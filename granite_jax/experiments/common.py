@@ -243,3 +243,72 @@ def matplotlib_pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# ---------------------------------------------------------------------------------------------- configs and results
+
+
+def default_config(experiment: str):
+    """The fields every experiment config has; `configs/experiments/*.py` start from this and change defaults.
+
+    model: `checkpoint` (HF or orbax directory) or random weights of `name` (`num_layers` shrinks it, same share of
+    attention layers); workload: what runs; measure: how it is measured; output_dir: where results go.
+    """
+    from ml_collections import config_dict
+
+    c = config_dict.ConfigDict()
+    c.experiment = experiment
+    c.model = config_dict.ConfigDict(
+        dict(
+            checkpoint=config_dict.placeholder(str),
+            name="granite-4.0-h-350m",
+            num_layers=config_dict.placeholder(int),
+            seed=0,
+        )
+    )
+    c.workload = config_dict.ConfigDict(
+        dict(
+            batch=1,
+            seq_len=512,  # prompt tokens; sweeps go over seq_lens, or powers of two up to seq_len
+            seq_lens=config_dict.placeholder(tuple),
+            new_tokens=32,
+            dtype="float32",
+            ssd_impl="xla",
+            rewriter=False,  # run granite-jax's forward through rewriter.rewrite
+        )
+    )
+    c.measure = config_dict.ConfigDict(dict(repeats=3, warmup=1))
+    c.output_dir = config_dict.placeholder(str)  # default: runs/<experiment>-<timestamp>
+    return c
+
+
+@dataclasses.dataclass
+class Result:
+    """What an experiment returns: a table (rows), headline numbers (summary), notes and plots to draw."""
+
+    title: str
+    rows: list[dict[str, Any]]
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    columns: list[str] | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    plots: dict[str, Callable[[str], None]] = dataclasses.field(default_factory=dict)  # file name -> draw(path)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def check_workload(workload) -> None:
+    """Clear errors for workload values no experiment can run."""
+    from granite_jax.config import SSD_IMPLS
+
+    if workload.dtype not in DTYPES:
+        raise ExperimentError(f"workload.dtype: {workload.dtype!r} is not one of {', '.join(DTYPES)}")
+    if workload.ssd_impl not in SSD_IMPLS:
+        raise ExperimentError(f"workload.ssd_impl: {workload.ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
+    for name in ("batch", "seq_len", "new_tokens"):
+        if workload[name] < 1:
+            raise ExperimentError(f"workload.{name} must be >= 1, got {workload[name]}")
+    if workload.seq_lens is not None and any(not isinstance(n, int) or n < 1 for n in workload.seq_lens):
+        raise ExperimentError(f"workload.seq_lens must be positive integers, got {workload.seq_lens}")
+
+
+def model_spec(config) -> ModelSpec:
+    return ModelSpec(config.model.checkpoint, config.model.name, config.model.num_layers, config.model.seed)
