@@ -395,3 +395,11 @@ def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float
 
 def count_params(model: Granite) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def with_ssd_impl(model: Granite, impl: str) -> Granite:
+    """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
+    cfg = model.cfg.replace(ssd_impl=impl)
+    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, param_dtype=model.dtype, rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model))
+    return other

@@ -9,6 +9,8 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Tests check numerics, not speed: skipping most XLA optimisation passes halves compile time, which dominates here.
+jax.config.update("jax_disable_most_optimizations", True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

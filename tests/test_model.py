@@ -1,0 +1,184 @@
+"""Parity of the Flax model with transformers' GraniteMoeHybridForCausalLM in fp32, per layer and on the logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from granite_jax.model import Cache, abstract_model, count_params, with_ssd_impl
+from granite_jax.params import load_model
+from granite_jax.presets import released_config
+
+RTOL = 1e-5
+# One compiled program per (model, shape): op-by-op dispatch of a whole model is far slower than compiling it.
+_forward = jax.jit(lambda model, ids, pad: model.forward(ids, pad=pad, return_hidden=True))
+_logits = jax.jit(lambda model, ids, pad: model(ids, pad=pad))
+
+VARIANTS = {
+    "moe_hybrid": {},
+    "dense_hybrid": dict(num_local_experts=0, num_experts_per_tok=0, shared_intermediate_size=96),
+    "attention_rope": dict(
+        layer_types=["attention"] * 3,
+        num_hidden_layers=3,
+        position_embedding_type="rope",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_local_experts=0,
+        num_experts_per_tok=0,
+    ),
+    "mamba_only": dict(layer_types=["mamba"] * 3, num_hidden_layers=3),
+    "groups": dict(mamba_n_groups=2),
+    "untied_head": dict(tie_word_embeddings=False),
+    "explicit_head_dim": dict(head_dim=24, layer_types=["attention", "mamba"], num_hidden_layers=2),
+}
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@dataclasses.dataclass
+class Pair:
+    hf: torch.nn.Module
+    jax: object
+    vocab: int
+
+
+@pytest.fixture(scope="module")
+def pairs(hf_checkpoint):
+    from transformers import GraniteMoeHybridForCausalLM
+
+    made = {}
+
+    def get(name: str) -> Pair:
+        if name not in made:
+            d = hf_checkpoint(**VARIANTS[name])
+            hf = GraniteMoeHybridForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            made[name] = Pair(hf, load_model(d), hf.config.vocab_size)
+        return made[name]
+
+    return get
+
+
+def compare(pair: Pair, ids: np.ndarray, pad: np.ndarray | None = None) -> dict[str, float]:
+    """Relative error of every layer output and the logits on real (non-padding) tokens; asserts the bound."""
+    mask = np.ones(ids.shape, np.int64) if pad is None else (np.arange(ids.shape[1])[None] >= pad[:, None])
+    with torch.no_grad():
+        out = pair.hf(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    pad = np.zeros(ids.shape[0], np.int32) if pad is None else pad
+    logits, _, hidden = _forward(pair.jax, jnp.asarray(ids), jnp.asarray(pad))
+    real = mask.astype(bool)
+    # transformers records the embeddings, every layer output, and the last one after the final norm.
+    ours = [np.asarray(h) for h in hidden[:-1]] + [np.asarray(pair.jax.norm(hidden[-1]))]
+    errors = {
+        f"layer {i}": rel_err(o[real], t.numpy()[real]) for i, (o, t) in enumerate(zip(ours, out.hidden_states[1:]))
+    }
+    errors["logits"] = rel_err(np.asarray(logits)[real], out.logits.numpy()[real])
+    worst = max(errors, key=errors.get)
+    print(f"worst relative error: {worst} = {errors[worst]:.2e}")
+    assert errors[worst] <= RTOL, errors
+    np.testing.assert_array_equal(np.asarray(logits).argmax(-1)[real], out.logits.numpy().argmax(-1)[real])
+    return errors
+
+
+@pytest.mark.parametrize("length", [1, 7, 16, 48, 40])  # chunk 16: shorter, one, several, not a multiple
+def test_moe_hybrid_matches_transformers(pairs, length):
+    pair = pairs("moe_hybrid")
+    ids = np.random.default_rng(length).integers(0, pair.vocab, (2, length))
+    compare(pair, ids)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "moe_hybrid"])
+@pytest.mark.parametrize("length", [40])
+def test_variant_matches_transformers(pairs, variant, length):
+    pair = pairs(variant)
+    ids = np.random.default_rng(length).integers(0, pair.vocab, (2, length))
+    compare(pair, ids)
+
+
+@pytest.mark.parametrize("variant", ["moe_hybrid", "attention_rope"])
+def test_left_padded_batch_matches_transformers_and_single_prompts(pairs, variant):
+    pair = pairs(variant)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, pair.vocab, (2, 40))
+    pad = np.array([0, 11])
+    ids[1, :11] = 0
+    compare(pair, ids, pad)
+    batched = np.asarray(_logits(pair.jax, jnp.asarray(ids), jnp.asarray(pad)))
+    for row in range(2):
+        alone = np.asarray(_logits(pair.jax, jnp.asarray(ids[row : row + 1, pad[row] :]), jnp.zeros(1, jnp.int32)))
+        assert rel_err(batched[row, pad[row] :], alone[0]) <= RTOL
+
+
+def test_padding_does_not_leak_into_real_tokens(pairs):
+    pair = pairs("moe_hybrid")
+    ids = np.random.default_rng(2).integers(3, pair.vocab, (2, 40))
+    ids[1, 10:] = ids[0, 10:]
+    pad = np.array([10, 10])  # same real tokens after different garbage in the padding
+    logits = np.asarray(_logits(pair.jax, jnp.asarray(ids), jnp.asarray(pad)))
+    np.testing.assert_array_equal(logits[0, 10:], logits[1, 10:])
+
+
+@pytest.mark.parametrize("variant", ["moe_hybrid", "groups"])
+def test_naive_ssd_model_equals_xla(pairs, variant):
+    pair = pairs(variant)
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, pair.vocab, (2, 40)))
+    naive = with_ssd_impl(pair.jax, "naive")
+    assert naive.layers[0].mamba.cfg.ssd_impl == "naive" and pair.jax.layers[0].mamba.cfg.ssd_impl == "xla"
+    zeros = jnp.zeros(2, jnp.int32)
+    assert rel_err(_logits(naive, ids, zeros), _logits(pair.jax, ids, zeros)) <= RTOL
+
+
+def test_cached_segments_equal_one_forward(pairs):
+    pair = pairs("moe_hybrid")
+    ids = np.random.default_rng(4).integers(3, pair.vocab, (2, 45))
+    pad = np.array([0, 6])
+    full = np.asarray(_logits(pair.jax, jnp.asarray(ids), jnp.asarray(pad)))
+    cache = Cache.init(pair.jax.cfg, 2, 64, pad=jnp.asarray(pad))
+    pieces = []
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    for start, stop in [(0, 20), (20, 21), (21, 45)]:
+        logits, cache = step(pair.jax, jnp.asarray(ids[:, start:stop]), cache)
+        pieces.append(np.asarray(logits))
+    stepped = np.concatenate(pieces, axis=1)
+    for row in range(2):
+        assert rel_err(stepped[row, pad[row] :], full[row, pad[row] :]) <= RTOL
+    assert cache.layers[0].ssm.dtype == jnp.float32
+
+
+def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 300, (2, 40)))
+    f32 = np.asarray(_logits(load_model(tiny_checkpoint), ids, jnp.zeros(2, jnp.int32)))
+    model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
+    assert model.layers[0].mamba.in_proj.kernel[...].dtype == jnp.bfloat16
+    prefill = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    logits, cache = prefill(model, ids, Cache.init(model.cfg, 2, 48, jnp.bfloat16))
+    assert logits.dtype == jnp.bfloat16 and cache.layers[0].ssm.dtype == jnp.float32
+    assert rel_err(np.asarray(logits, np.float32), f32) < 3e-2
+
+
+# Published totals (ibm.com/granite/docs; granite4.md §5): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.
+@pytest.mark.parametrize(
+    "name, billions, tol",
+    [
+        ("granite-4.0-h-tiny", 6.94, 0.02),
+        ("granite-4.0-h-small", 32.2, 0.1),
+        ("granite-4.0-h-1b", 1.46, 0.01),
+        ("granite-4.0-h-350m", 0.34, 0.005),
+        ("granite-4.0-h-micro", 3.19, 0.02),
+        ("granite-4.0-micro", 3.40, 0.02),
+    ],
+)
+def test_released_configs_build_abstractly_with_published_sizes(name, billions, tol):
+    model = abstract_model(released_config(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    assert count_params(model) / 1e9 == pytest.approx(billions, abs=tol)

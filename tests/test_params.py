@@ -1,0 +1,119 @@
+"""Checkpoint import: sharded files, dtype casting, and a clear error for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from granite_jax.config import ConfigError
+from granite_jax.params import CheckpointError, load_model, map_name
+
+
+def copy_checkpoint(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return os.fspath(dst)
+
+
+def rewrite_tensors(ckpt: str, edit) -> None:
+    path = os.path.join(ckpt, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_every_checkpoint_tensor_has_a_mapping(tiny_checkpoint):
+    names = load_file(os.path.join(tiny_checkpoint, "model.safetensors")).keys()
+    assert all(map_name(n) is not None for n in names)
+
+
+def test_sharded_checkpoint_loads_like_single_file(hf_checkpoint, tiny_checkpoint):
+    sharded = hf_checkpoint(max_shard_size="100KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    ids = jnp.asarray(np.arange(12)[None] % 300)
+    np.testing.assert_array_equal(np.asarray(load_model(sharded)(ids)), np.asarray(load_model(tiny_checkpoint)(ids)))
+
+
+def test_bf16_checkpoint_cast_to_requested_dtype(hf_checkpoint):
+    d = hf_checkpoint(dtype="bfloat16")
+    model = load_model(d, dtype=jnp.float32)
+    assert model.embed_tokens.embedding[...].dtype == jnp.float32
+    assert load_model(d, dtype=jnp.bfloat16).embed_tokens.embedding[...].dtype == jnp.bfloat16
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="model directory not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    os.remove(os.path.join(d, "config.json"))
+    with pytest.raises(ConfigError, match="config.json not found"):
+        load_model(d)
+
+
+def test_pickled_weights_are_refused_not_unpickled(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    os.remove(os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "pytorch_model.bin"), "wb") as f:
+        f.write(b"\x80\x04 this would be a pickle")
+    with pytest.raises(CheckpointError, match="pytorch_model.bin.*never unpickles.*safetensors"):
+        load_model(d)
+
+
+def test_missing_tensor_is_named(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.pop("model.layers.2.mamba.D"))
+    with pytest.raises(CheckpointError, match=r"missing tensor.*layers\.2\.mamba\.D"):
+        load_model(d)
+
+
+def test_unexpected_tensor_is_named(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.update({"model.layers.0.mamba.extra": np.zeros(3, np.float32)}))
+    with pytest.raises(CheckpointError, match=r"model.safetensors: unexpected tensor 'model.layers.0.mamba.extra'"):
+        load_model(d)
+
+
+def test_misshaped_tensor_is_named_with_both_shapes(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.update({"model.layers.1.self_attn.q_proj.weight": np.zeros((64, 32), np.float32)}))
+    with pytest.raises(
+        CheckpointError, match=r"'model.layers.1.self_attn.q_proj.weight' has shape \(64, 32\).*\(64, 64\)"
+    ):
+        load_model(d)
+
+
+def test_truncated_file(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        load_model(d)
+
+
+def test_config_that_disagrees_with_tensors(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["mamba_d_state"] = 32
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match=r"mamba\.in_proj\.weight' has shape"):
+        load_model(d)
+
+
+def test_untied_config_without_head(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["tie_word_embeddings"] = False
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(CheckpointError, match="no lm_head.weight"):
+        load_model(d)

@@ -1,0 +1,83 @@
+"""The chunked SSD forms ("xla", "naive") and the one-token step against the float64 sequential recurrence."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from granite_jax.ssd import ssd, ssd_reference, ssd_step
+
+
+def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
+    return dict(
+        x=rng.standard_normal((b, L, h, p)),
+        dt=np.log1p(np.exp(rng.standard_normal((b, L, h)))) * dt_scale,
+        A=-np.exp(rng.standard_normal(h)),
+        B=rng.standard_normal((b, L, g, n)),
+        C=rng.standard_normal((b, L, g, n)),
+        D=rng.standard_normal(h),
+    )
+
+
+def float64_reference(inputs, initial_state):
+    with jax.enable_x64(True):
+        y, s = ssd_reference(
+            **{k: jnp.asarray(v, jnp.float64) for k, v in inputs.items()},
+            initial_state=None if initial_state is None else jnp.asarray(initial_state, jnp.float64),
+        )
+        return np.asarray(y), np.asarray(s)
+
+
+def rel(a, b):
+    return np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()
+
+
+SHAPES = [  # (b, L, h, p, g, n, chunk)
+    (1, 5, 4, 8, 1, 16, 16),  # shorter than a chunk
+    (2, 48, 4, 8, 1, 16, 16),  # several whole chunks
+    (2, 37, 6, 4, 3, 8, 8),  # not a multiple, g > 1
+]
+
+
+@pytest.mark.parametrize("impl", ["xla", "naive"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_float64_recurrence(impl, shape, with_state):
+    b, L, h, p, g, n, chunk = shape
+    rng = np.random.default_rng(sum(shape))
+    inputs = random_inputs(rng, b, L, h, p, g, n)
+    s0 = rng.standard_normal((b, h, p, n)) if with_state else None
+    y_ref, s_ref = float64_reference(inputs, s0)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    y, s = ssd(**f32, chunk_size=chunk, initial_state=None if s0 is None else jnp.asarray(s0, jnp.float32), impl=impl)
+    assert y.dtype == s.dtype == jnp.float32
+    assert rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
+
+
+@pytest.mark.parametrize("impl", ["xla", "naive"])
+def test_fast_decaying_heads_stay_finite_and_exact(impl):
+    rng = np.random.default_rng(7)
+    inputs = random_inputs(rng, 1, 64, 4, 8, 1, 16, dt_scale=30.0)  # dt * |A| up to ~100 per step
+    y_ref, s_ref = float64_reference(inputs, None)
+    y, s = ssd(**{k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}, chunk_size=32, impl=impl)
+    assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
+
+
+def test_bfloat16_inputs_give_float32_outputs():
+    inputs = random_inputs(np.random.default_rng(8), 1, 40, 4, 8, 1, 16)
+    y_ref, _ = float64_reference(inputs, None)
+    bf16 = {k: jnp.asarray(v, jnp.bfloat16 if k in "xBC" else jnp.float32) for k, v in inputs.items()}
+    y, s = ssd(**bf16, chunk_size=16)
+    assert y.dtype == s.dtype == jnp.float32 and rel(y, y_ref) < 3e-2
+
+
+def test_step_is_one_token_of_the_recurrence():
+    rng = np.random.default_rng(9)
+    inputs = random_inputs(rng, 2, 1, 4, 8, 2, 16)
+    s0 = rng.standard_normal((2, 4, 8, 16))
+    y_ref, s_ref = float64_reference(inputs, s0)
+    f32 = {k: jnp.asarray(v[:, 0] if v.ndim > 1 else v, jnp.float32) for k, v in inputs.items()}
+    y, s = ssd_step(jnp.asarray(s0, jnp.float32), f32["x"], f32["dt"], f32["A"], f32["B"], f32["C"], f32["D"])
+    assert rel(y, y_ref[:, 0]) < 1e-5 and rel(s, s_ref) < 1e-5
