@@ -95,3 +95,21 @@ def make_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m granite_jax.testing",
+        description="Write a random tiny GraniteMoeHybrid checkpoint (transformers format) with a tokenizer, "
+        "for trying the commands without downloading weights. Its output is random text.",
+    )
+    parser.add_argument("out_dir", help="directory to write config.json, model.safetensors and tokenizer files into")
+    parser.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default 0)")
+    args = parser.parse_args(argv)
+    print(make_checkpoint(args.out_dir, args.seed))
+
+
+if __name__ == "__main__":
+    main()
