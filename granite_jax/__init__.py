@@ -23,7 +23,6 @@ __all__ = [
     "SamplingConfig",
     "abstract_model",
     "count_params",
-    "generate",
     "load_model",
     "released_config",
     "ssd",
@@ -34,9 +33,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Generation pulls in the tokenizer stack; import it only when asked for.
-    if name in ("Generator", "SamplingConfig", "generate"):
-        from granite_jax import generate as _generate
+    # Generation pulls in the tokenizer stack; import it only when asked for. (`granite_jax.generate` is the module.)
+    if name in ("Generator", "SamplingConfig"):
+        import importlib
 
-        return getattr(_generate, name)
+        return getattr(importlib.import_module("granite_jax.generate"), name)
     raise AttributeError(f"module 'granite_jax' has no attribute {name!r}")
