@@ -40,6 +40,8 @@ class Plan:
 def contraction_plan(c: Contraction) -> Plan:
     """The cheapest pairwise order of `c` and what each step costs."""
     operands = [frozenset(op.labels) for op in c.operands]
+    if not operands:
+        return Plan((), (), 0)
     if len(operands) > 1:
         strategy = "optimal" if len(operands) <= 5 else "greedy"
         path, _ = opt_einsum.contract_path(c.spec(), *c.shapes(), shapes=True, optimize=strategy)

@@ -91,9 +91,7 @@ def product(lhs: Labelled, rhs: Labelled, rest: set[Label], precision: Any, acc:
     if not contracted:  # a Hadamard or outer product: a dot_general with K=1 would be a slow GEMM
         labels = la + tuple(label for label in lb if label not in la)
         shape = tuple((a.shape[la.index(label)] if label in la else b.shape[lb.index(label)]) for label in labels)
-        a = lax.broadcast_in_dim(a.astype(acc), shape, tuple(labels.index(label) for label in la))
-        b = lax.broadcast_in_dim(b.astype(acc), shape, tuple(labels.index(label) for label in lb))
-        return a * b, labels
+        return expand(a.astype(acc), la, labels, shape) * expand(b.astype(acc), lb, labels, shape), labels
     dims = (
         (tuple(la.index(label) for label in contracted), tuple(lb.index(label) for label in contracted)),
         (tuple(la.index(label) for label in batch), tuple(lb.index(label) for label in batch)),
@@ -101,3 +99,11 @@ def product(lhs: Labelled, rhs: Labelled, rest: set[Label], precision: Any, acc:
     y = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
     free = lambda mine, other: tuple(label for label in mine if label not in other)
     return y, batch + free(la, lb) + free(lb, la)
+
+
+def expand(x: jax.Array, labels: tuple[Label, ...], target: tuple[Label, ...], shape: tuple[int, ...]) -> jax.Array:
+    """x (dims labelled `labels`) transposed into `target` order and broadcast to `shape`."""
+    order = sorted(range(len(labels)), key=lambda i: target.index(labels[i]))
+    if order != list(range(len(labels))):
+        x = lax.transpose(x, tuple(order))
+    return lax.broadcast_in_dim(x, shape, tuple(sorted(target.index(label) for label in labels)))

@@ -88,6 +88,7 @@ class Match:
     contraction: Contraction | None  # None when the product has other consumers
     products: list[Var]  # the mul results the site removes
     problem: str | None = None
+    absorbed: tuple[int, ...] = ()  # roots of sums over size-1 dims the walk went through
 
     @property
     def product(self) -> Var:
@@ -216,7 +217,8 @@ class Matcher:
             return Match(index, None, walk.products, "the product has other consumers")
         operands = tuple(op for op in walk.leaves if op.labels)
         scalars = tuple(op for op in walk.leaves if not op.labels)
-        return Match(index, Contraction(operands, scalars, sizes, out, reduced), walk.products)
+        contraction = Contraction(operands, scalars, sizes, out, reduced)
+        return Match(index, contraction, walk.products, absorbed=tuple(walk.absorbed))
 
 
 class _Walk:
@@ -226,6 +228,7 @@ class _Walk:
         self.m = matcher
         self.leaves: list[Operand] = []
         self.products: list[Var] = []
+        self.absorbed: list[int] = []
 
     def top(self, atom, dims: Dims) -> str | None:
         """Walk the views between the root and the first mul; 'shared' if the product escapes, None if no mul."""
@@ -241,10 +244,16 @@ class _Walk:
                     return "shared"
                 self.tree(atom, dims, exclusive=True)
                 return "ok"
-            src = view_source_dims(eqn, dims)
+            src = self.view(atom, eqn, dims)
             if src is None:
                 return None
             atom, dims = eqn.invars[0], src
+
+    def view(self, atom, eqn: JaxprEqn, dims: Dims) -> Dims | None:
+        src = view_source_dims(eqn, dims)
+        if src is not None and eqn.primitive.name == "reduce_sum":
+            self.absorbed.append(self.m.producer[atom])
+        return src
 
     def tree(self, atom, dims: Dims, exclusive: bool) -> None:
         eqn = self.m.eqn_of(atom)
@@ -254,7 +263,7 @@ class _Walk:
             for x in eqn.invars:
                 self.tree(x, dims if x.aval.ndim == len(dims) else (None,) * x.aval.ndim, exclusive)
             return
-        src = view_source_dims(eqn, dims) if eqn is not None else None
+        src = self.view(atom, eqn, dims) if eqn is not None else None
         if src is not None:
             self.tree(eqn.invars[0], src, exclusive and single)
             return

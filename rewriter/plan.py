@@ -127,6 +127,13 @@ class Planner:
         if state.site.reason is None:
             state.site.status = REWRITTEN
             result.rewrites[match.eqn_index] = state
+            for index in match.absorbed:  # plain multiplies (sums over size-1 dims) folded into this product
+                if index in states and states[index].site.status == SKIPPED:
+                    self._absorb_member(state, states[index])
+
+    def _absorb_member(self, state: SitePlan, member: SitePlan) -> None:
+        member.site.status, member.site.fused_into = FUSED, state.site.id
+        state.members.append(member)
 
     def _fuse(self, matcher: Matcher, state: SitePlan, states: dict[int, SitePlan], result: JaxprPlan):
         """Compose single-use sites feeding this one while the fused contraction is cheaper and passes the gate."""
@@ -151,9 +158,9 @@ class Planner:
                 return
 
     def _absorb(self, state: SitePlan, inner: SitePlan, fused: Contraction, plan: cost.Plan, result: JaxprPlan):
+        inner.site.reason = None
         for member in (inner, *inner.members):
-            member.site.status, member.site.reason, member.site.fused_into = FUSED, None, state.site.id
-            state.members.append(member)
+            self._absorb_member(state, member)
         result.rewrites = {i: p for i, p in result.rewrites.items() if p is not inner}
         state.contraction, state.cost = fused, plan
         site = state.site

@@ -133,7 +133,7 @@ def format_table(report: Report) -> str:
         where = f"{s.path}: {s.source}" if s.path else s.source
         inter = f"{s.intermediate_elements:,} ({human_bytes(s.intermediate_bytes)})"
         flops = f"{_flops(s.naive_flops)} -> {_flops(s.flops)}"
-        note = s.reason or (f"into #{s.fused_into}" if s.fused_into else "")
+        note = "; ".join(filter(None, [f"into #{s.fused_into}" if s.fused_into else "", s.reason]))
         if s.hidden_broadcasts:
             note = (note + "; " if note else "") + f"{s.hidden_broadcasts} broadcast dim(s) dropped"
         rows.append((str(s.id), s.status, where, s.spec, _operands(s), inter, flops, note))
