@@ -68,9 +68,10 @@ class Cache:
         return cls(tuple(layers), pad, jnp.zeros((), jnp.int32))
 
     @property
-    def max_len(self) -> int:
+    def max_len(self) -> int | None:
+        """KV slots per row; None for a model without attention layers (its state does not grow)."""
         kv = [s for s in self.layers if isinstance(s, KVState)]
-        return kv[0].k.shape[1] if kv else 2**31 - 1
+        return kv[0].k.shape[1] if kv else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,7 +371,8 @@ class Granite(nnx.Module):
         b, T = tokens.shape
         if cache is not None:
             query_slots = cache.index + jnp.arange(T, dtype=jnp.int32)
-            pos = Positions(query_slots, jnp.arange(cache.max_len, dtype=jnp.int32), cache.pad)
+            key_slots = query_slots if cache.max_len is None else jnp.arange(cache.max_len, dtype=jnp.int32)
+            pos = Positions(query_slots, key_slots, cache.pad)
         else:
             slots = jnp.arange(T, dtype=jnp.int32)
             pos = Positions(slots, slots, jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32))
