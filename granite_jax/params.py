@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
@@ -105,7 +106,7 @@ def iter_tensors(files: list[str]) -> Iterator[tuple[str, str, Any]]:
     """Yield (file, name, array) one tensor at a time."""
     for path in files:
         try:
-            handle = safe_open(path, framework="flax")
+            handle = safe_open(path, framework="numpy")
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
         with handle as f:
@@ -167,7 +168,9 @@ def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: boo
         want = transform.source_shape(tuple(expected[target].shape))
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
-        values[target] = jnp.asarray(transform.apply(tensor), param_dtype)
+        # Transpose and cast on the host (numpy views and one copy), then one transfer per tensor.
+        host = np.ascontiguousarray(transform.apply(tensor).astype(np.dtype(param_dtype), copy=False))
+        values[target] = jax.device_put(host)
         bar.update()
     bar.close()
     missing = sorted(set(expected) - set(values))
