@@ -121,7 +121,8 @@ class Planner:
         self.sites.append(site)
         state = SitePlan(site, contraction, plan)
         states[match.eqn_index] = state
-        if self.options.fuse_chains:
+        contracts = any(contraction.sizes[label] > 1 for label in contraction.reduced)
+        if self.options.fuse_chains and contracts:  # a plain multiply is left for the product it feeds to absorb
             self._fuse(matcher, state, states, result)
         state.site.reason = cost.skip_reason(state.contraction, state.cost, self.options)
         if state.site.reason is None:

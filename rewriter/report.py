@@ -1,0 +1,97 @@
+"""Command line: print (and optionally save) the rewriter's report for a granite-jax model part, built abstractly.
+
+    python -m rewriter.report --config configs/rewriter/h_tiny_mamba.py --config.batch=1 --config.seq_len=8192 \
+        [--config.json_out=report.json] [--config.target=ssd|mamba_layer|model]
+
+Parameters and inputs are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`), so a report at full model size allocates
+nothing. This module is the only part of the package that knows about granite-jax; the rewriter itself finds the
+sites in whatever jaxpr it is given.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import app
+from ml_collections import config_dict, config_flags
+
+from rewriter.api import analyze
+from rewriter.options import Options
+from rewriter.site import Report
+
+TARGETS = ("mamba_layer", "ssd", "model")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
+
+
+def model_config(c: config_dict.ConfigDict):
+    """The preset architecture with the config's Mamba dims, running the naive SSD."""
+    from granite_jax.presets import released_config
+
+    fields = ("hidden_size", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size")
+    return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in fields})
+
+
+def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
+    """(function, abstract arguments) for the configured target."""
+    from flax import nnx
+
+    from granite_jax.model import Granite, MambaMixer
+    from granite_jax.ssd import ssd_chunked_naive
+
+    if c.target not in TARGETS:
+        raise ValueError(f"target: {c.target!r} is not one of {TARGETS}")
+    if c.batch < 1 or c.seq_len < 1:
+        raise ValueError(f"batch and seq_len must be >= 1, got {c.batch} and {c.seq_len}")
+    cfg = model_config(c)
+    dtype = jnp.dtype(c.dtype)
+    sds = jax.ShapeDtypeStruct
+    b, T = c.batch, c.seq_len
+    if c.target == "ssd":
+        h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
+        args = (sds((b, T, h, p), dtype), sds((b, T, h), jnp.float32), sds((h,), jnp.float32))
+        args += (sds((b, T, g, n), dtype), sds((b, T, g, n), dtype), sds((h,), jnp.float32))
+        return functools.partial(ssd_chunked_naive, chunk_size=cfg.mamba_chunk_size), args
+    if c.target == "mamba_layer":
+        module = nnx.eval_shape(lambda: MambaMixer(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(module)
+
+        def mamba_layer(state, x):
+            return nnx.merge(graphdef, state)(x)[0]
+
+        return mamba_layer, (state, sds((b, T, cfg.hidden_size), dtype))
+    module = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(module)
+
+    def model(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    return model, (state, sds((b, T), jnp.int32))
+
+
+def report_for(c: config_dict.ConfigDict) -> Report:
+    fn, args = build(c)
+    options = Options(min_flops=c.min_flops, min_dim=c.min_dim, fuse_chains=c.fuse_chains, precision=c.precision)
+    report = analyze(fn, *args, options=options)
+    report.function = f"{c.model} {c.target} (naive SSD), batch {c.batch} x {c.seq_len} tokens, {c.dtype}"
+    return report
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    c = _CONFIG.value
+    if c is None:
+        raise app.UsageError("--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
+    report = report_for(c)
+    print(report)
+    if c.json_out:
+        report.to_json(c.json_out)
+        print(f"saved {c.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
