@@ -167,7 +167,8 @@ def _decode_step(graphdef, state, cache: Cache, tokens, params: SamplerParams, s
     """Forward one token per row (b,) and sample the next ones."""
     model = nnx.merge(graphdef, state)
     logits, cache, _ = model.forward(tokens[:, None], cache=cache)
-    return sample_tokens(logits[:, -1], params, step), cache
+    logits = logits[:, -1].astype(jnp.float32)
+    return logits, sample_tokens(logits, params, step), cache
 
 
 # ---------------------------------------------------------------------------------------------- text and stops
@@ -395,12 +396,30 @@ class Generator:
         segment = padded if padded <= self.prefill_chunk else self.prefill_chunk
         return BatchLayout(tuple(lengths), padded, segment, cache_len, max_new_tokens)
 
-    def prefill(self, prompt_ids: Sequence[Sequence[int]], layout: BatchLayout, sampling: SamplingConfig | None = None):
-        """Run the prompts through the model in segments. Returns (last-position logits (b, V), first tokens, cache)."""
+    def prefill(self, prompts: Prompts, sampling: SamplingConfig | None = None) -> tuple[jax.Array, jax.Array, Cache]:
+        """Prefill prompts (in segments of `prefill_chunk`): (last-position logits (b, V), first tokens (b,), cache)."""
         sampling = sampling or SamplingConfig()
-        params = sampling.device_params()
-        self._compile_prefill(layout, params)
-        return self._prefill(prompt_ids, layout, params)
+        _, prompt_ids = self.encode(prompts)
+        layout = self.layout([len(ids) for ids in prompt_ids], sampling.max_new_tokens)
+        return self._prefill(prompt_ids, layout, sampling.device_params())
+
+    def teacher_forced_logits(self, prompts: Prompts, continuation: Sequence[Sequence[int]]) -> np.ndarray:
+        """Logits (b, 1 + N, V) predicting each token of `continuation` (b, N), fed through the decode step.
+
+        Entry 0 comes from the prefill's last position, entry i from the decode step that consumed continuation
+        token i - 1: the same positions a full forward over prompt + continuation scores.
+        """
+        _, prompt_ids = self.encode(prompts)
+        forced = np.asarray(continuation, np.int32).reshape(len(prompt_ids), -1)
+        layout = self.layout([len(ids) for ids in prompt_ids], forced.shape[1] + 1)
+        params = SamplingConfig().device_params()
+        decode = self._compile_decode(layout, params)
+        logits, _, cache = self._prefill(prompt_ids, layout, params)
+        out = [np.asarray(logits)]
+        for i in range(forced.shape[1]):
+            logits, _, cache = decode(self.state, cache, forced[:, i], params, np.int32(i + 1))
+            out.append(np.asarray(logits))
+        return np.stack(out, axis=1)
 
     def measure(self, batch_size: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Timing:
         """Greedy generation of exactly `new_tokens` tokens for `batch_size` random prompts of `prompt_len` tokens."""
@@ -513,7 +532,7 @@ class Generator:
         for step in range(1, layout.max_new_tokens):
             if all(row.done for row in rows):
                 break
-            tokens, cache = decode(self.state, cache, tokens, params, np.int32(step))
+            _, tokens, cache = decode(self.state, cache, tokens, params, np.int32(step))
             produced += self._push(rows, np.asarray(tokens))
             steps += 1
         t3 = time.perf_counter()

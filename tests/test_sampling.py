@@ -10,7 +10,7 @@ import pytest
 from granite_jax.sampling import GenerationError, SamplingConfig, draw, filter_mask, ordered_keys, sample_tokens
 
 PROBS = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
-N_DRAWS = 20000
+N_DRAWS = 8000
 
 
 @pytest.fixture(scope="module")
