@@ -1,0 +1,504 @@
+"""GPU check and benchmark of the SSD implementations at Granite-4.0-H-Tiny dims (one prepared run, < 10 minutes).
+
+    python benchmarks/gpu_ssd.py --out benchmarks/results/gpu_ssd-$(date +%F)-h200.json
+
+1. Checks the Pallas kernels against the XLA path on the GPU: `ssd_prefill` vs `ssd_chunked` (float32, HIGHEST
+   precision) on normal and fast-decaying heads, `ssd_decode` vs `ssd_step`.
+2. Times the SSD forward at h-tiny dims (48 heads x 64, state 128, one group, chunk 256, batch 1) for each L in
+   --lengths: "naive" (broadcast-sum einsums), "rewritten" (the naive code through `rewriter.rewrite`, skipped when the
+   rewriter is not importable), "xla" (einsum chunked), "pallas" (this package, float32 y as the model uses it) and
+   "pallas_y16" (y in the input dtype, the traffic the roofline assumes).
+3. Times one whole Mamba layer (`granite_jax.model.MambaMixer`, in_proj -> conv -> SSD -> gated norm -> out_proj) with
+   each SSD implementation, and the decode update at a few batch sizes.
+4. Optionally (--sweep) times a few `PrefillConfig` tilings of the Pallas prefill at one length.
+
+Every timing prints time, achieved TFLOP/s and GB/s, and the fraction of the ceilings (H200 by default: 4.8 TB/s,
+990 dense bf16 TFLOP/s), where FLOPs are the useful matmul work (causal half of the diagonal blocks) and bytes are the
+minimum HBM traffic (inputs read once, outputs written once). The floor is max(bytes / bandwidth, FLOPs / peak).
+`--smoke` runs everything at tiny sizes on CPU, the kernels interpreted, to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+H200 = dict(peak_tflops=990.0, peak_gbs=4800.0)
+H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)
+SMOKE = dict(h=4, p=16, g=1, n=16, chunk=16)
+SWEEP = [
+    dict(),
+    dict(block_m=32),
+    dict(block_m=128),
+    dict(block_p=32),
+    dict(block_p=16),
+    dict(block_k=32),
+    dict(block_k=128),
+    dict(output_warps=8),
+    dict(state_warps=8, output_warps=8),
+    dict(output_stages=3),
+]
+
+
+# ---------------------------------------------------------------------------------------------- counting
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    b: int
+    L: int
+    h: int
+    p: int
+    g: int
+    n: int
+    chunk: int
+
+
+def ssd_flops(d: Dims) -> float:
+    """Useful SSD matmul FLOPs: chunk states, state -> output, causal half of the diagonal blocks, C B^T per group."""
+    states = 2 * d.b * d.L * d.h * d.p * d.n
+    from_states = 2 * d.b * d.L * d.h * d.p * d.n
+    diagonal = d.b * d.L * d.chunk * d.h * d.p
+    scores = 2 * d.b * d.L * d.chunk * d.g * d.n
+    return float(states + from_states + diagonal + scores)
+
+
+def ssd_bytes(d: Dims, in_bytes: int, y_bytes: int) -> float:
+    """Minimum HBM traffic: x, dt, B, C read once, y and the final float32 state written once."""
+    reads = d.b * d.L * (d.h * d.p + d.h + 2 * d.g * d.n) * in_bytes
+    writes = d.b * d.L * d.h * d.p * y_bytes + d.b * d.h * d.p * d.n * 4
+    return float(reads + writes)
+
+
+def layer_flops(cfg, d: Dims) -> float:
+    """One Mamba layer: in_proj, depthwise conv, SSD, out_proj."""
+    tokens = d.b * d.L
+    proj = 2 * tokens * cfg.hidden_size * (cfg.mamba_in_proj_dim + cfg.mamba_d_inner)
+    conv = 2 * tokens * cfg.mamba_conv_dim * cfg.mamba_d_conv
+    return float(proj + conv) + ssd_flops(d)
+
+
+def layer_bytes(cfg, d: Dims, act_bytes: int) -> float:
+    """Weights once, the layer input and output once."""
+    weights = cfg.hidden_size * (cfg.mamba_in_proj_dim + cfg.mamba_d_inner) * act_bytes
+    return float(weights + 2 * d.b * d.L * cfg.hidden_size * act_bytes)
+
+
+# ---------------------------------------------------------------------------------------------- timing
+
+
+def time_fn(fn: Callable, *args, min_seconds: float, max_reps: int = 200) -> tuple[float, float]:
+    """Median and min seconds per call of an already compiled fn (after one warm-up call)."""
+    jax.block_until_ready(fn(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    reps = max(3, min(max_reps, int(min_seconds / max(once, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times)
+
+
+def record(kind: str, name: str, seconds: float, flops: float, nbytes: float, ceilings: dict, **extra) -> dict:
+    floor = max(nbytes / (ceilings["peak_gbs"] * 1e9), flops / (ceilings["peak_tflops"] * 1e12))
+    rec = dict(
+        kind=kind,
+        impl=name,
+        us=seconds * 1e6,
+        tflops=flops / seconds / 1e12,
+        gbs=nbytes / seconds / 1e9,
+        frac_peak_flops=flops / seconds / (ceilings["peak_tflops"] * 1e12),
+        frac_peak_bw=nbytes / seconds / (ceilings["peak_gbs"] * 1e9),
+        floor_us=floor * 1e6,
+        x_floor=seconds / floor,
+        **extra,
+    )
+    print(
+        f"  {kind:7s} {name:22s} {rec['us']:10.1f} us  {rec['tflops']:7.2f} TFLOP/s ({rec['frac_peak_flops']:6.1%})  "
+        f"{rec['gbs']:8.1f} GB/s ({rec['frac_peak_bw']:6.1%})  {rec['x_floor']:6.2f}x floor ({rec['floor_us']:.1f} us)",
+        flush=True,
+    )
+    return rec
+
+
+def failure(kind: str, name: str, error: BaseException, **extra) -> dict:
+    text = f"{type(error).__name__}: {error}"
+    print(f"  {kind:7s} {name:22s} FAILED {text[:300]}", flush=True)
+    return dict(kind=kind, impl=name, error=text[:4000], **extra)
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+
+
+def ssd_inputs(d: Dims, dtype, *, seed: int = 0, fast_decay: bool = False):
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)
+    dt = np.logaddexp(normal(d.b, d.L, d.h) + (3.0 if fast_decay else -1.0), 0.0)
+    A = -np.exp(rng.uniform(0.0, 2.5, d.h) if fast_decay else rng.uniform(-3.0, 0.5, d.h))
+    cast = lambda t: jnp.asarray(t, dtype)
+    return (
+        cast(normal(d.b, d.L, d.h, d.p)),
+        cast(dt),
+        jnp.asarray(A, jnp.float32),
+        cast(normal(d.b, d.L, d.g, d.n)),
+        cast(normal(d.b, d.L, d.g, d.n)),
+        jnp.asarray(normal(d.h)),
+    )
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not np.all(np.isfinite(got)):
+        return math.inf
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------- implementations
+
+
+def ssd_variants(chunk: int, *, naive: bool) -> dict[str, Callable]:
+    """name -> jitted fn(x, dt, A, B, C, D) -> (y, final state)."""
+    import pallas_kernels
+    from granite_jax.ssd import ssd_chunked, ssd_chunked_naive
+
+    variants: dict[str, Callable] = {}
+    if naive:
+        variants["naive"] = jax.jit(functools.partial(ssd_chunked_naive, chunk_size=chunk))
+        rewritten = rewritten_naive(chunk)
+        if rewritten is not None:
+            variants["rewritten"] = rewritten
+    variants["xla"] = jax.jit(functools.partial(ssd_chunked, chunk_size=chunk))
+    variants["pallas"] = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=chunk))
+
+    def pallas_y16(x, dt, A, B, C, D):
+        return pallas_kernels.ssd_prefill(x, dt, A, B, C, D, chunk_size=chunk, out_dtype=x.dtype)
+
+    variants["pallas_y16"] = jax.jit(pallas_y16)
+    return variants
+
+
+def rewritten_naive(chunk: int) -> Callable | None:
+    try:
+        import rewriter
+    except ImportError as e:
+        print(f"  (rewriter not importable, skipping 'rewritten': {e})")
+        return None
+    from granite_jax.ssd import ssd_chunked_naive
+
+    fast = rewriter.rewrite(ssd_chunked_naive)
+    return jax.jit(lambda x, dt, A, B, C, D: fast(x, dt, A, B, C, D, chunk_size=chunk))
+
+
+# ---------------------------------------------------------------------------------------------- sections
+
+
+def check_kernels(d: Dims, dtype, tolerance: float) -> list[dict]:
+    """Pallas vs the XLA path on this device: prefill (normal and fast decay, with an initial state) and decode."""
+    import pallas_kernels
+    from granite_jax.ssd import ssd_chunked, ssd_step
+
+    print(f"check: pallas vs xla at L={d.L}, {jnp.dtype(dtype).name}, tolerance {tolerance:g} (max-abs / max)")
+    results = []
+    for fast in (False, True):
+        x, dt, A, B, C, D = ssd_inputs(d, dtype, seed=1, fast_decay=fast)
+        s0 = jnp.asarray(np.random.default_rng(2).standard_normal((d.b, d.h, d.p, d.n), np.float32))
+        reference = jax.jit(functools.partial(ssd_chunked, chunk_size=d.chunk))  # HIGHEST-precision einsums
+        y_ref, s_ref = reference(x, dt, A, B, C, D, initial_state=s0)
+        y, s = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk))(
+            x, dt, A, B, C, D, initial_state=s0
+        )
+        errs = dict(y=rel_err(y, y_ref), state=rel_err(s, s_ref))
+        results.append(dict(kind="check", impl="prefill", fast_decay=fast, **errs, ok=max(errs.values()) < tolerance))
+        print(f"  prefill fast_decay={fast}: y {errs['y']:.2e}, state {errs['state']:.2e}")
+    x, dt, A, B, C, D = ssd_inputs(dataclasses.replace(d, L=1), dtype, seed=3)
+    state = jnp.asarray(np.random.default_rng(4).standard_normal((d.b, d.h, d.p, d.n), np.float32))
+    y_ref, s_ref = jax.jit(ssd_step)(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    y, s = jax.jit(pallas_kernels.ssd_decode)(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    errs = dict(y=rel_err(y, y_ref), state=rel_err(s, s_ref))
+    results.append(dict(kind="check", impl="decode", **errs, ok=max(errs.values()) < 1e-4))
+    print(f"  decode: y {errs['y']:.2e}, state {errs['state']:.2e}")
+    return results
+
+
+def bench_ssd(d: Dims, dtype, ceilings: dict, min_seconds: float, naive: bool) -> list[dict]:
+    print(f"ssd: L={d.L} b={d.b} h={d.h} p={d.p} g={d.g} n={d.n} chunk={d.chunk} {jnp.dtype(dtype).name}")
+    args = ssd_inputs(d, dtype)
+    in_bytes = jnp.dtype(dtype).itemsize
+    flops = ssd_flops(d)
+    results = []
+    for name, fn in ssd_variants(d.chunk, naive=naive).items():
+        y_bytes = in_bytes if name == "pallas_y16" else 4
+        try:
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            compile_s = time.perf_counter() - start
+            median, best = time_fn(fn, *args, min_seconds=min_seconds)
+            results.append(
+                record(
+                    "ssd",
+                    name,
+                    median,
+                    flops,
+                    ssd_bytes(d, in_bytes, y_bytes),
+                    ceilings,
+                    L=d.L,
+                    best_us=best * 1e6,
+                    first_call_s=compile_s,
+                )  # fmt: skip
+            )
+        except Exception as e:  # noqa: BLE001 - one failing variant must not stop the run
+            results.append(failure("ssd", name, e, L=d.L))
+    return results
+
+
+def bench_sweep(d: Dims, dtype, ceilings: dict, min_seconds: float) -> list[dict]:
+    import pallas_kernels
+
+    print(f"sweep: PrefillConfig tilings at L={d.L}")
+    args = ssd_inputs(d, dtype)
+    in_bytes = jnp.dtype(dtype).itemsize
+    results = []
+    for overrides in SWEEP:
+        config = pallas_kernels.PrefillConfig(**overrides)
+        name = ",".join(f"{k}={v}" for k, v in overrides.items()) or "default"
+        fn = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk, config=config))
+        try:
+            median, best = time_fn(fn, *args, min_seconds=min_seconds)
+            results.append(
+                record(
+                    "sweep",
+                    name,
+                    median,
+                    ssd_flops(d),
+                    ssd_bytes(d, in_bytes, 4),
+                    ceilings,
+                    L=d.L,
+                    config=dataclasses.asdict(config),
+                    best_us=best * 1e6,
+                )  # fmt: skip
+            )
+        except Exception as e:  # noqa: BLE001
+            results.append(failure("sweep", name, e, L=d.L, config=dataclasses.asdict(config)))
+    return results
+
+
+def mamba_config(smoke: bool, impl: str):
+    from granite_jax.config import ModelConfig
+
+    if smoke:
+        return ModelConfig(
+            vocab_size=64, hidden_size=32, layer_types=("mamba",), num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, intermediate_size=32, shared_intermediate_size=32, num_local_experts=0, num_experts_per_tok=0,
+            mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, ssd_impl=impl,
+        )  # fmt: skip
+    try:
+        from granite_jax.presets import released_config
+
+        return released_config("granite-4.0-h-tiny", ssd_impl=impl)
+    except ImportError:
+        return ModelConfig(
+            vocab_size=100352, hidden_size=1536, layer_types=("mamba",), num_attention_heads=12,
+            num_key_value_heads=4, head_dim=128, intermediate_size=512, shared_intermediate_size=1024,
+            num_local_experts=64, num_experts_per_tok=6, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128,
+            mamba_chunk_size=256, ssd_impl=impl,
+        )  # fmt: skip
+
+
+def layer_fn(cfg, dtype, impl: str) -> tuple[Callable, Any]:
+    """A jitted fn(params, x) -> y running one MambaMixer, and its parameters."""
+    from flax import nnx
+
+    from granite_jax.model import MambaMixer
+
+    mixer = MambaMixer(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(mixer)
+
+    def run(params, x):
+        out = nnx.merge(graphdef, params)(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    if impl == "rewritten":
+        import rewriter
+
+        run = rewriter.rewrite(run)
+    return jax.jit(run), params
+
+
+def bench_layer(d: Dims, dtype, ceilings: dict, min_seconds: float, smoke: bool, naive: bool) -> list[dict]:
+    print(f"mamba layer: L={d.L} b={d.b}")
+    impls = (["naive", "rewritten"] if naive else []) + ["xla", "pallas"]
+    act_bytes = jnp.dtype(dtype).itemsize
+    results = []
+    for impl in impls:
+        try:
+            cfg = mamba_config(smoke, "naive" if impl == "rewritten" else impl)
+            fn, params = layer_fn(cfg, dtype, impl)
+            x = jnp.asarray(np.random.default_rng(5).standard_normal((d.b, d.L, cfg.hidden_size), np.float32), dtype)
+            median, best = time_fn(fn, params, x, min_seconds=min_seconds)
+            results.append(
+                record(
+                    "layer",
+                    impl,
+                    median,
+                    layer_flops(cfg, d),
+                    layer_bytes(cfg, d, act_bytes),
+                    ceilings,
+                    L=d.L,
+                    best_us=best * 1e6,
+                )  # fmt: skip
+            )
+        except ImportError as e:
+            print(f"  layer   {impl:22s} skipped ({e})")
+        except Exception as e:  # noqa: BLE001
+            results.append(failure("layer", impl, e, L=d.L))
+    return results
+
+
+def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceilings: dict) -> list[dict]:
+    import pallas_kernels
+    from granite_jax.ssd import ssd_step
+
+    print("decode: one-token state update")
+    results = []
+    for b in batches:
+        x, dt, A, B, C, D = ssd_inputs(dataclasses.replace(d, b=b, L=1), dtype)
+        args = (x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        nbytes = 2 * b * d.h * d.p * d.n * 4  # the float32 state read and written
+        flops = 4 * b * d.h * d.p * d.n
+        for name, step in (("xla", ssd_step), ("pallas", pallas_kernels.ssd_decode)):
+            fn = jax.jit(step, donate_argnums=0)
+            state = jnp.zeros((b, d.h, d.p, d.n), jnp.float32)
+            try:
+
+                def run(state, fn=fn, args=args):
+                    return fn(state, *args)[1]
+
+                jax.block_until_ready(state := run(state))
+                times = []
+                for _ in range(max(10, min(500, int(min_seconds / 1e-5)))):
+                    start = time.perf_counter()
+                    state = jax.block_until_ready(run(state))
+                    times.append(time.perf_counter() - start)
+                results.append(record("decode", name, statistics.median(times), flops, nbytes, ceilings, batch=b))
+            except Exception as e:  # noqa: BLE001
+                results.append(failure("decode", name, e, batch=b))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--lengths", default="2048,8192,32768", help="comma-separated L for the SSD and layer timings")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="x, B, C, dt dtype")
+    p.add_argument("--naive-max-len", type=int, default=8192, help="time naive/rewritten only up to this L")
+    p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
+    p.add_argument("--sweep", action="store_true", help="also time a few PrefillConfig tilings at --sweep-len")
+    p.add_argument("--sweep-len", type=int, default=8192)
+    p.add_argument("--decode-batches", default="1,64", help="batch sizes for the decode update timings")
+    p.add_argument("--min-seconds", type=float, default=0.3, help="timing budget per measurement")
+    p.add_argument("--peak-tflops", type=float, default=H200["peak_tflops"], help="dense bf16 ceiling (H200: 990)")
+    p.add_argument("--peak-gbs", type=float, default=H200["peak_gbs"], help="HBM ceiling in GB/s (H200: 4800)")
+    p.add_argument("--out", help="write the JSON results here (also printed at the end)")
+    p.add_argument("--smoke", action="store_true", help="tiny dims on CPU with interpreted kernels (script check)")
+    return p.parse_args(argv)
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    return dict(
+        date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        device_kind=dev.device_kind,
+        platform=dev.platform,
+        device_count=jax.device_count(),
+        jax=jax.__version__,
+        python=sys.version.split()[0],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dtype = jnp.dtype(args.dtype)
+    ceilings = dict(peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs)
+    env = environment()
+    print(json.dumps(env))
+    if env["platform"] != "gpu" and not args.smoke:
+        print("no GPU: run with --smoke to check the script on CPU", file=sys.stderr)
+        return 2
+    dims = SMOKE if args.smoke else H_TINY
+    lengths = [int(v) for v in args.lengths.split(",")] if not args.smoke else [40, 100]
+    started = time.perf_counter()
+    results: list[dict] = []
+    context = _interpret() if args.smoke else _nothing()
+    with context:
+        d0 = Dims(b=args.batch, L=min(lengths), **dims)
+        try:
+            checks = check_kernels(d0, dtype, 2e-2 if dtype == jnp.bfloat16 else 1e-3)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            checks = [failure("check", "kernels", e)]
+        results += checks
+        for L in lengths:
+            d = Dims(b=args.batch, L=L, **dims)
+            results += bench_ssd(d, dtype, ceilings, args.min_seconds, naive=L <= args.naive_max_len)
+            if not args.no_layer:
+                results += bench_layer(d, dtype, ceilings, args.min_seconds, args.smoke, naive=L <= args.naive_max_len)
+        if args.sweep:
+            results += bench_sweep(Dims(b=args.batch, L=args.sweep_len if not args.smoke else 40, **dims), dtype,
+                                   ceilings, args.min_seconds)  # fmt: skip
+        batches = [int(v) for v in args.decode_batches.split(",")]
+        results += bench_decode(Dims(b=1, L=1, **dims), dtype, batches, args.min_seconds, ceilings)
+    summary = dict(
+        environment=env,
+        ceilings=ceilings,
+        dims=dims,
+        dtype=args.dtype,
+        batch=args.batch,
+        wall_seconds=time.perf_counter() - started,
+        checks_ok=all(r.get("ok", False) for r in checks),
+        results=results,
+    )
+    text = json.dumps(summary, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {args.out}")
+    print(text)
+    return 0 if summary["checks_ok"] else 1
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _interpret():
+    import pallas_kernels
+
+    return pallas_kernels.interpret_mode()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
