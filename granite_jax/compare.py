@@ -70,6 +70,14 @@ class Pair:
     dtype: str
     source: str
     tokenizer: Any = None
+    _generator: Any = None
+
+    @property
+    def generator(self):
+        """granite-jax's `Generator` over the same model (created once, so compiled steps are reused)."""
+        if self._generator is None:
+            self._generator = make_generator(self.jax)
+        return self._generator
 
 
 def load_pair(spec: ModelSpec, *, dtype: str = "float32", ssd_impl: str = "xla") -> Pair:
@@ -163,14 +171,16 @@ def _errors(ours, theirs) -> dict[str, float]:
 
 
 def greedy_agreement(pair: Pair, prompts: Sequence[Sequence[int]], new_tokens: int) -> dict[str, Any]:
-    """Continue each prompt greedily in both; count the tokens each row agrees on before the first difference."""
-    generator = make_generator(pair.jax)
+    """Continue each prompt greedily in both; count the tokens each row agrees on before the first difference.
+
+    granite-jax runs the prompts as one left-padded batch (padding never reaches a real token); transformers runs
+    them one at a time, so that its padding handling plays no part."""
+    ours = [r.token_ids for r in pair.generator.generate([list(p) for p in prompts], greedy(new_tokens))]
     rows = []
-    for ids in prompts:
-        ours = generator.generate([list(ids)], greedy(new_tokens))[0].token_ids
+    for ids, mine in zip(prompts, ours):
         theirs = hf_generate(pair.hf, np.asarray([ids]), new_tokens)[0][len(ids) :].tolist()
-        agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-        rows.append(dict(prompt_tokens=len(ids), agree=agree, jax=list(ours), hf=theirs))
+        agree = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        rows.append(dict(prompt_tokens=len(ids), agree=agree, jax=list(mine), hf=theirs))
     total = sum(len(r["jax"]) for r in rows)
     agreed = sum(r["agree"] for r in rows)
     return dict(
@@ -268,11 +278,10 @@ def speed(
     pair: Pair, batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int = 2, log=None
 ) -> list[dict[str, Any]]:
     """Prefill and decode tokens/s of both, and granite-jax's speed-up, at each batch size."""
-    generator = make_generator(pair.jax)
     rows = []
     for batch in batch_sizes:
         _log(log, f"speed: granite-jax, batch {batch}")
-        ours = jax_speed(generator, batch, prompt_len, new_tokens, repeats)
+        ours = jax_speed(pair.generator, batch, prompt_len, new_tokens, repeats)
         _log(log, f"speed: transformers, batch {batch}")
         theirs = hf_speed(pair.hf, pair.jax.cfg.vocab_size, batch, prompt_len, new_tokens, repeats)
         rows.append(

@@ -97,7 +97,7 @@ def hf_tensors(model: Granite) -> dict[str, Any]:
     out = {}
     for path, value in _flatten(nnx.to_pure_dict(nnx.state(model))).items():
         name, transform = hf_name(path)
-        out[name] = np.ascontiguousarray(_UNDO[id(transform)](np.asarray(value, np.float32)))
+        out[name] = np.array(_UNDO[id(transform)](np.asarray(value, np.float32)), order="C")  # a writable copy
     return out
 
 

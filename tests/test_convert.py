@@ -106,3 +106,11 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         f"granite_jax.convert: error: {tmp_path / 'missing'}: model directory not found"
     ]
+
+
+def test_export_to_hf_safetensors_round_trip(orbax_checkpoint, tmp_path):
+    model = load_model(orbax_checkpoint)
+    convert.export_safetensors(model, tmp_path / "hf")
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    for a, b in zip(_leaves(model), _leaves(load_model(tmp_path / "hf"))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,0 +1,61 @@
+"""granite_jax.compare on the tiny checkpoint: per-layer parity, greedy agreement, speed rows, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from granite_jax import compare
+
+
+@pytest.fixture(scope="module")
+def compared(tiny_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare")
+    argv = ["--model", tiny_checkpoint, "--out", str(out), "--quiet", "--batch-sizes", "1", "--prompt-len", "16"]
+    argv += ["--new-tokens", "4", "--repeats", "1", "--error-len", "40", "--agreement-tokens", "8"]
+    assert compare.main(argv) == 0
+    with open(out / "compare.json") as f:
+        return out, json.load(f)
+
+
+def test_per_layer_error_within_float32_tolerance(compared):
+    _, results = compared
+    rows = results["layer_errors"]
+    assert [r["layer"] for r in rows] == ["0", "1", "2", "3", "logits"]
+    assert rows[1]["kind"] == "attention" and rows[3]["kind"] == "mamba + final norm"
+    for row in rows:
+        assert row["rel_err"] <= 1e-5, row
+
+
+def test_greedy_continuations_agree(compared):
+    _, results = compared
+    greedy = results["greedy"]
+    assert greedy["prompts"] == 4 and greedy["new_tokens"] == 8  # the built-in text prompts (tokenizer present)
+    assert greedy["fraction"] == 1.0
+    assert all(row["jax"] == row["hf"] for row in greedy["rows"])
+
+
+def test_speed_rows_and_outputs(compared, capsys):
+    out, results = compared
+    assert [s["batch"] for s in results["speed"]] == [1]
+    for s in results["speed"]:
+        for side in ("jax", "hf"):
+            assert s[side]["prefill_tokens_per_s"] > 0 and s[side]["decode_tokens_per_s"] > 0
+        assert s["decode_speedup"] == pytest.approx(s["jax"]["decode_tokens_per_s"] / s["hf"]["decode_tokens_per_s"])
+    assert (out / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results["command"].startswith("python -m granite_jax.compare --model")
+    text = compare.table(results)
+    assert "greedy agreement (4 prompts x 8 tokens) | | | 32/32 tokens (100.0%)" in text
+    assert "decode tok/s (batch 1, 4 new)" in text
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    assert compare.main(["--model", str(tmp_path / "missing"), "--no-speed", "--quiet"]) == 2
+    expected = f"granite_jax.compare: error: {tmp_path / 'missing'}: model directory not found"
+    assert capsys.readouterr().err.strip() == expected
+    assert compare.main(["--config", "granite-9", "--quiet"]) == 2
+    assert "unknown model 'granite-9'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        compare.main(["--model", "a", "--config", "tiny"])
+    assert exit_info.value.code == 2

@@ -1,0 +1,125 @@
+"""Config files and the experiment runner: model configs from the presets, quick runs writing JSON/MD/PNG, bad input."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from granite_jax import experiment
+from granite_jax.config import ATTENTION, ModelConfig
+from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
+from granite_jax.presets import RELEASED
+from granite_jax.testing import TINY_CONFIG
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def load(relative: str, arg: str | None = None):
+    return experiment._load_config(os.path.join(ROOT, relative), arg)
+
+
+# ---------------------------------------------------------------------------------------------- config files
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_released_model_configs_are_the_presets(name):
+    slug = name.replace("granite-4.0-", "granite_4_0_").replace("-", "_")
+    config = load(f"configs/models/{slug}.py").to_dict()
+    assert config == RELEASED[name]
+    assert ModelConfig.from_hf_dict(config) == model_config(name) == model_config(f"configs/models/{slug}.py")
+
+
+def test_tiny_model_config():
+    assert load("configs/models/tiny.py").to_dict() == dict(TINY_CONFIG, vocab_size=320)
+    assert model_config("configs/models/tiny.py:dense").num_local_experts == 0
+    with pytest.raises(ExperimentError, match="unknown model 'h-9b'"):
+        model_config("h-9b")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs/experiments/*.py"))))
+def test_experiment_configs_load(path):
+    for arg in (None, "quick"):
+        config = experiment._load_config(path, arg)
+        assert config.experiment in experiment.EXPERIMENTS
+        assert {"model", "workload", "measure", "output_dir"} <= set(config.keys())
+        assert config.output_dir is None and config.model.checkpoint is None
+
+
+def test_num_layers_keeps_attention_share():
+    cfg = model_config("granite-4.0-h-350m", num_layers=8)  # 4 of 32 attention -> 1 of 8
+    assert cfg.num_layers == 8 and cfg.layer_types.count(ATTENTION) == 1
+    assert with_num_layers(model_config("granite-4.0-micro"), 3).layer_types == (ATTENTION,) * 3
+    assert with_num_layers(model_config("tiny"), 2).layer_types.count(ATTENTION) == 1
+
+
+def test_sweep_lengths():
+    assert sweep_lengths(None, 4096) == [256, 512, 1024, 2048, 4096]
+    assert sweep_lengths(None, 3000) == [256, 512, 1024, 2048, 3000]
+    assert sweep_lengths((64, 16, 64), 4096) == [16, 64]
+
+
+# ---------------------------------------------------------------------------------------------- quick runs
+
+
+def _run(relative: str, tmp_path, **workload):
+    config = load(relative, "quick")
+    config.output_dir = str(tmp_path / "out")
+    config.workload.update(workload)
+    out = experiment.run(config)
+    with open(os.path.join(out, "results.json")) as f:
+        results = json.load(f)
+    with open(os.path.join(out, "results.md")) as f:
+        markdown = f.read()
+    return out, results, markdown
+
+
+def test_parity_quick_run(tmp_path):
+    out, results, markdown = _run("configs/experiments/parity.py", tmp_path)
+    assert results["config"]["experiment"] == "parity" and results["config"]["model"]["name"] == "tiny"
+    assert [r["layer"] for r in results["rows"]] == ["0", "1", "2", "3", "logits"]
+    assert results["summary"]["within_tolerance"] and results["summary"]["max_rel_err"] < 1e-5
+    assert "| 1 | attention |" in markdown and "![parity.png](parity.png)" in markdown
+    assert open(os.path.join(out, "parity.png"), "rb").read(8) == PNG
+
+
+def test_scaling_quick_run(tmp_path):
+    out, results, markdown = _run("configs/experiments/scaling.py", tmp_path, seq_lens=(16, 32))
+    rows = results["rows"]
+    assert [r["seq_len"] for r in rows] == [16, 32]
+    for row in rows:
+        assert row["prefill_s"] > 0 and row["peak_mib"] > 0 and row["mamba_s"] > 0 and row["attention_s"] > 0
+        assert 0 < row["attention_share"] < 1
+    assert set(results["summary"]) >= {"prefill_time_exponent", "mamba_time_exponent", "attention_share_longest"}
+    assert results["environment"]["jax"] and results["config"]["workload"]["seq_lens"] == [16, 32]
+    assert "| seq_len | prefill_s |" in markdown
+    assert open(os.path.join(out, "scaling.png"), "rb").read(8) == PNG
+
+
+def test_bad_workload_values_rejected(tmp_path):
+    config = load("configs/experiments/scaling.py", "quick")
+    config.workload.dtype = "int8"
+    with pytest.raises(ExperimentError, match="workload.dtype: 'int8' is not one of"):
+        experiment.run(config)
+    config = load("configs/experiments/parity.py", "quick")
+    config.model.checkpoint = str(tmp_path / "missing")
+    config.model.num_layers = 2
+    with pytest.raises(ExperimentError, match="num_layers applies to random weights only"):
+        experiment.run(config)
+
+
+def test_unknown_field_is_one_line_exit_2():
+    cmd = [sys.executable, "-m", "granite_jax.experiment", "--config", "configs/experiments/parity.py"]
+    proc = subprocess.run(
+        [*cmd, "--config.workload.seqlen=4096"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
+        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl)"
+    ]
