@@ -292,15 +292,47 @@ class MoE(nnx.Module):
         return jnp.einsum("nkf,nkfd,nk->nd", h, w_out, gates)
 
     def _grouped(self, x: Array, experts: Array, gates: Array) -> Array:
+        """Sort the N*k (token, expert) rows by expert; run each expert's rows through its weights; scatter back."""
         N, k = experts.shape
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        tokens = order // k
+        tokens, sorted_experts = order // k, flat[order]
         group_sizes = jnp.bincount(flat, length=self.cfg.num_local_experts).astype(jnp.int32)
         w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
-        h = self._swiglu(lax.ragged_dot(x[tokens], w_in, group_sizes))
-        y = lax.ragged_dot(h, w_out, group_sizes) * gates.reshape(-1)[order][:, None]
+        if jax.default_backend() == "gpu":
+            h = self._swiglu(lax.ragged_dot(x[tokens], w_in, group_sizes))
+            y = lax.ragged_dot(h, w_out, group_sizes)
+        else:  # XLA:CPU lowers ragged_dot to a dense product over every expert; use expert-aligned blocks instead
+            y = _expert_blocks(x[tokens], sorted_experts, group_sizes, w_in, w_out, self._swiglu)
+        y = y * gates.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[tokens].add(y)
+
+
+def _expert_blocks(
+    rows: Array, row_experts: Array, group_sizes: Array, w_in: Array, w_out: Array, act, block: int = 32
+) -> Array:
+    """Expert-sorted rows (M, H) -> (M, H) through w_out[e] @ act(w_in[e] @ row), in blocks of one expert each.
+
+    Each expert's group is padded to a multiple of `block` rows, so every block reads a single expert's weights;
+    padding adds at most one partial block per expert (megablocks' layout).
+    """
+    M, E = rows.shape[0], group_sizes.shape[0]
+    padded_sizes = -(-group_sizes // block) * block
+    padded_ends = jnp.cumsum(padded_sizes)
+    rank = jnp.arange(M) - (jnp.cumsum(group_sizes) - group_sizes)[row_experts]
+    dest = (padded_ends - padded_sizes)[row_experts] + rank
+    num_blocks = -(-M // block) + min(E, M)
+    padded = jnp.zeros((num_blocks * block, rows.shape[1]), rows.dtype).at[dest].set(rows)
+    block_experts = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
+    used_blocks = padded_ends[-1] // block
+
+    def run_block(b, out):
+        x = lax.dynamic_slice_in_dim(padded, b * block, block)
+        y = act(x @ w_in[block_experts[b]]) @ w_out[block_experts[b]]
+        return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
+
+    out = lax.fori_loop(0, used_blocks, run_block, jnp.zeros_like(padded))
+    return out[dest]
 
 
 # ---------------------------------------------------------------------------------------------- decoder
