@@ -42,15 +42,17 @@ H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)
 SMOKE = dict(h=4, p=16, g=1, n=16, chunk=16)
 SWEEP = [
     dict(),
-    dict(block_m=32),
-    dict(block_m=128),
+    dict(block_p=64),
     dict(block_p=32),
-    dict(block_p=16),
-    dict(block_k=32),
+    dict(block_p=16, block_n=64),
     dict(block_k=128),
-    dict(output_warps=8),
-    dict(state_warps=8, output_warps=8),
+    dict(block_k=32),
+    dict(block_m=32),
+    dict(block_m=128, output_warps=8),
+    dict(heads_per_program=2),
+    dict(heads_per_program=4, output_warps=8),
     dict(output_stages=3),
+    dict(state_warps=8),
 ]
 
 

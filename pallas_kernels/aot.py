@@ -15,6 +15,11 @@ memory size and bandwidth, not in anything the kernels' compilation depends on.
 from __future__ import annotations
 
 import functools
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 from typing import Any
 
 import jax
@@ -110,3 +115,44 @@ def compile_for_gpu(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200"):
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     return jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
+
+
+# ---------------------------------------------------------------------------------------------- static report
+
+
+def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[dict]:
+    """Compile `fn(*args)` for `gpu` and describe each Pallas kernel: grid, threads, shared memory, and (when `ptxas`
+    is on PATH) registers per thread and spill bytes. Run inside `pallas_kernels.cuda_lowering()`.
+
+    A static signal for choosing tile sizes without a GPU: occupancy follows from registers x threads and shared memory,
+    spills are a red flag, and the grid shows how many CTAs there are to spread over the SMs.
+    """
+    sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
+    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
+    lowered = jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",))
+    arch = "sm_90a" if gpu in ("h100", "h200") else "sm_80"
+    with tempfile.TemporaryDirectory() as dump:
+        lowered.compile(compiler_options={"xla_dump_to": dump})
+        names = os.listdir(dump)
+        thunks = "".join(open(os.path.join(dump, f)).read() for f in names if f.endswith("thunk_sequence.txt"))
+        ptx = {f: open(os.path.join(dump, f)).read() for f in names if f.endswith(".ptx")}
+        kernels = []
+        for m in re.finditer(
+            r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)", thunks
+        ):
+            name, grid, threads, smem = m.groups()
+            entry = dict(name=name, grid=[int(v) for v in grid.split(",")], threads=int(threads.split(",")[0]),
+                         shared_memory=int(smem))  # fmt: skip
+            source = next((f for f, text in ptx.items() if f".entry {name}(" in text), None)
+            if source and shutil.which("ptxas"):
+                path = os.path.join(dump, source)
+                out = subprocess.run(["ptxas", "-v", f"-arch={arch}", path, "-o", os.devnull],
+                                     capture_output=True, text=True).stderr  # fmt: skip
+                regs = re.search(r"Used (\d+) registers", out)
+                spills = re.search(r"(\d+) bytes spill stores", out)
+                entry.update(
+                    registers=int(regs.group(1)) if regs else None, spill_bytes=int(spills.group(1)) if spills else None
+                )
+                entry["wgmma"] = "wgmma" in ptx[source]
+            kernels.append(entry)
+    return kernels

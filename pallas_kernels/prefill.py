@@ -38,10 +38,15 @@ MIN_CHUNK, MAX_CHUNK = 16, 256
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Tiling and launch parameters of the two prefill kernels (to be tuned on the GPU)."""
+    """Tiling and launch parameters of the two prefill kernels (defaults from static analysis; tune on the GPU).
+
+    Block sizes larger than the dimension they tile are clipped to it.
+    """
 
     block_m: int = 64  # chunk rows per output program; also the width of its causal k-blocks
-    block_p: int = 64  # head-dim rows of the state per state program
+    heads_per_program: int = 1  # heads of one group per output program, sharing its C B^T tiles
+    block_p: int | None = None  # head-dim rows of the state per state program; None: see `_state_block_p`
+    block_n: int = 128  # state columns per state program
     block_k: int = 64  # sequence rows the state program folds into the state per step
     state_warps: int = 4
     state_stages: int = 2
@@ -92,12 +97,11 @@ def ssd_prefill(
     pp, nn = padded_dim(p), padded_dim(n)
     x = pad_axis(x, 3, pp)
     B, C = pad_axis(B, 3, nn), pad_axis(C, 3, nn)
-    init = jnp.zeros((b, h, pp, nn), F32) if initial_state is None else initial_state.astype(F32)
-    init = pad_axis(pad_axis(init, 2, pp), 3, nn)
-    bias = jnp.zeros((h,), F32) if dt_bias is None else dt_bias.astype(F32)
-    dt_args = dict(softplus=bool(dt_softplus), limit=(float(dt_limit[0]), float(dt_limit[1])))
+    if initial_state is not None:
+        initial_state = pad_axis(pad_axis(initial_state.astype(F32), 2, pp), 3, nn)
+    dt_args = dict(bias=dt_bias, softplus=bool(dt_softplus), limit=(float(dt_limit[0]), float(dt_limit[1])))
 
-    states_in, final, dt_rows, decay_rows = _chunk_states(x, dt, A, bias, B, init, chunk, cfg, dt_args)
+    states_in, final, dt_rows, decay_rows = _chunk_states(x, dt, A, B, initial_state, chunk, cfg, **dt_args)
     y = _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg, out_dtype)
     if pp != p:
         y = y[..., :p]
@@ -127,36 +131,58 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias) -> None:
 # ---------------------------------------------------------------------------------------------- kernel 1: states
 
 
-def _chunk_states(x, dt, A, bias, B, init, chunk, cfg: PrefillConfig, dt_args):
-    """States entering each chunk (b, c, h, p, n), the final state, and dt and the in-chunk decay cumsum (b, h, L')."""
+def _chunk_states(x, dt, A, B, initial, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
+    """States entering each chunk (b, c, h, p, n), the final state, and dt and the in-chunk decay cumsum (b, h, L').
+
+    One program per (batch, head, block of the state); optional inputs (initial state, dt bias) are not passed at all
+    when absent.
+    """
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     group = h // g
     n_chunks = pl.cdiv(length, chunk)
     padded_len = n_chunks * chunk
-    bp = min(cfg.block_p, p)
+    bp, bn = _state_block_p(cfg.block_p, b * h, p), min(cfg.block_n, n)
+    n_blocks = n // bn
     block_k = min(cfg.block_k, chunk)
     kernel = functools.partial(
-        _chunk_state_kernel, length=length, chunk=chunk, block_k=block_k, op_dtype=operand_dtype(x.dtype), **dt_args
+        _chunk_state_kernel,
+        length=length,
+        chunk=chunk,
+        block_k=block_k,
+        op_dtype=operand_dtype(x.dtype),
+        has_bias=bias is not None,
+        has_initial=initial is not None,
+        softplus=softplus,
+        limit=limit,
     )
-    scalar = pl.BlockSpec((None,), lambda i, j, k: (j,))
+    state_block = lambda i, j, k: (i, j, k // n_blocks, k % n_blocks)
+    in_specs = [
+        pl.BlockSpec((None, padded_len, None, bp), lambda i, j, k: (i, 0, j, k // n_blocks)),  # x
+        pl.BlockSpec((None, padded_len, None), lambda i, j, k: (i, 0, j)),  # dt
+        pl.BlockSpec((None,), lambda i, j, k: (j,)),  # A
+        pl.BlockSpec((None, padded_len, None, bn), lambda i, j, k: (i, 0, j // group, k % n_blocks)),  # B
+    ]
+    args = [x, dt, A, B]
+    if bias is not None:
+        in_specs.append(pl.BlockSpec((None,), lambda i, j, k: (j,)))
+        args.append(bias.astype(F32))
+    if initial is not None:
+        in_specs.append(pl.BlockSpec((None, None, bp, bn), state_block))
+        args.append(initial)
+    rows = pl.BlockSpec((None, None, padded_len), lambda i, j, k: (i, j, 0))
     return _call.call(
         kernel,
         name="ssd_chunk_states",
-        grid=(b, h, p // bp),
-        in_specs=[
-            pl.BlockSpec((None, padded_len, None, bp), lambda i, j, k: (i, 0, j, k)),  # x
-            pl.BlockSpec((None, padded_len, None), lambda i, j, k: (i, 0, j)),  # dt
-            scalar,  # A
-            scalar,  # dt_bias
-            pl.BlockSpec((None, padded_len, None, n), lambda i, j, k: (i, 0, j // group, 0)),  # B
-            pl.BlockSpec((None, None, bp, n), lambda i, j, k: (i, j, k, 0)),  # initial state
-        ],
+        grid=(b, h, (p // bp) * n_blocks),
+        in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, n_chunks, None, bp, n), lambda i, j, k: (i, 0, j, k, 0)),  # states entering chunks
-            pl.BlockSpec((None, None, bp, n), lambda i, j, k: (i, j, k, 0)),  # final state
-            pl.BlockSpec((None, None, padded_len), lambda i, j, k: (i, j, 0)),  # dt rows
-            pl.BlockSpec((None, None, padded_len), lambda i, j, k: (i, j, 0)),  # decay cumsum rows
+            pl.BlockSpec(
+                (None, n_chunks, None, bp, bn), lambda i, j, k: (i, 0, j, k // n_blocks, k % n_blocks)
+            ),  # states entering the chunks
+            pl.BlockSpec((None, None, bp, bn), state_block),  # final state
+            rows,  # dt
+            rows,  # decay cumsum
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, n_chunks, h, p, n), F32),
@@ -166,16 +192,28 @@ def _chunk_states(x, dt, A, bias, B, init, chunk, cfg: PrefillConfig, dt_args):
         ],
         num_warps=cfg.state_warps,
         num_stages=cfg.state_stages,
-    )(x, dt, A, bias, B, init)
+    )(*args)
 
 
-def _chunk_state_kernel(
-    x_ref, dt_ref, A_ref, bias_ref, B_ref, init_ref, states_ref, final_ref, dt_out_ref, decay_out_ref,
-    *, length, chunk, block_k, op_dtype, softplus, limit,
-):  # fmt: skip
+def _state_block_p(block_p: int | None, programs: int, p: int, min_programs: int = 128) -> int:
+    """The state programs' p-block. Unset: p itself (one program per head) unless that leaves fewer than about one
+    program per SM (b * h < 128, e.g. batch 1 at 48 heads), then halved down to 16 to spread the sequential walk."""
+    if block_p is not None:
+        return min(block_p, p)
+    bp = p
+    while bp > 16 and programs * (p // bp) < min_programs:
+        bp //= 2
+    return bp
+
+
+def _chunk_state_kernel(*refs, length, chunk, block_k, op_dtype, has_bias, has_initial, softplus, limit):
+    refs = list(refs)
+    x_ref, dt_ref, A_ref, B_ref = (refs.pop(0) for _ in range(4))
+    bias = refs.pop(0)[...].astype(F32) if has_bias else None
+    init_ref = refs.pop(0) if has_initial else None
+    states_ref, final_ref, dt_out_ref, decay_out_ref = refs
     A = A_ref[...].astype(F32)
-    bias = bias_ref[...].astype(F32)
-    writes_rows = pl.program_id(2) == 0  # the p-blocks of a head share dt and s; one of them writes them
+    writes_rows = pl.program_id(2) == 0  # the state blocks of a head share dt and s; one of them writes them
 
     def advance(start, state, offset):
         """The state over rows [start, start + block_k), `offset` the chunk's decay cumsum before them."""
@@ -195,7 +233,7 @@ def _chunk_state_kernel(
         x = pltriton.load(x_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(F32)
         Bk = pltriton.load(B_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(op_dtype)
         weight = jnp.exp(jnp.minimum(total - local, 0.0)) * dt  # decay from each row to the block's end, times dt
-        contribution = dot((x * weight[:, None]).astype(op_dtype), Bk, trans_a=True)  # (bp, n)
+        contribution = dot((x * weight[:, None]).astype(op_dtype), Bk, trans_a=True)  # (bp, bn)
         return jnp.exp(jnp.minimum(total, 0.0)) * state + contribution, offset + total
 
     def chunk_step(ci, state):
@@ -204,37 +242,50 @@ def _chunk_state_kernel(
         state, _ = jax.lax.fori_loop(0, chunk // block_k, blocks, (state, jnp.zeros((), F32)))
         return state
 
-    final_ref[...] = jax.lax.fori_loop(0, states_ref.shape[0], chunk_step, init_ref[...].astype(F32))
+    initial = init_ref[...].astype(F32) if has_initial else jnp.zeros(final_ref.shape, F32)
+    final_ref[...] = jax.lax.fori_loop(0, states_ref.shape[0], chunk_step, initial)
 
 
 # ---------------------------------------------------------------------------------------------- kernel 2: outputs
+
+
+def _index(j: int) -> Array:
+    """A static index as a traced scalar of the default int type: Pallas's interpreter discharges masked loads and
+    stores only for array (not Python int) indices mixed with slices."""
+    return (pl.program_id(0) * 0 + j).astype(jax.dtypes.canonicalize_dtype(jnp.int_))
+
+
+def _divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, min(n, max(k, 1)) + 1) if n % d == 0)
 
 
 def _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg: PrefillConfig, out_dtype):
     """y (b, L, h, p): inter-chunk term from the entering states, causal diagonal term, D skip."""
     b, length, h, p = x.shape
     g, n = B.shape[2:]
-    group = h // g
+    hb = _divisor_at_most(h // g, cfg.heads_per_program)
+    groups_per_block = h // g // hb  # head blocks per group
     n_chunks = states_in.shape[1]
     bm = min(cfg.block_m, chunk)
     per_chunk = chunk // bm
+    bc = lambda i: (i // n_chunks, i % n_chunks)  # (batch, chunk) of the first grid axis
     kernel = functools.partial(_chunk_output_kernel, length=length, chunk=chunk, op_dtype=operand_dtype(x.dtype))
+    group_rows = pl.BlockSpec((None, chunk, None, n), lambda i, j, m: (*bc(i), j // groups_per_block, 0))
+    head_rows = pl.BlockSpec((None, hb, chunk), lambda i, j, m: (bc(i)[0], j, bc(i)[1]))
     (y,) = _call.call(
         kernel,
         name="ssd_chunk_outputs",
-        grid=(b * n_chunks, h, per_chunk),
+        grid=(b * n_chunks, h // hb, per_chunk),
         in_specs=[
-            pl.BlockSpec((None, chunk, None, p), lambda i, j, m: (i // n_chunks, i % n_chunks, j, 0)),  # x
-            pl.BlockSpec((None, chunk, None, n), lambda i, j, m: (i // n_chunks, i % n_chunks, j // group, 0)),  # B
-            pl.BlockSpec((None, chunk, None, n), lambda i, j, m: (i // n_chunks, i % n_chunks, j // group, 0)),  # C
-            pl.BlockSpec((None,), lambda i, j, m: (j,)),  # D
-            pl.BlockSpec((None, None, chunk), lambda i, j, m: (i // n_chunks, j, i % n_chunks)),  # dt rows
-            pl.BlockSpec((None, None, chunk), lambda i, j, m: (i // n_chunks, j, i % n_chunks)),  # decay rows
-            pl.BlockSpec((None, None, None, p, n), lambda i, j, m: (i // n_chunks, i % n_chunks, j, 0, 0)),  # state
+            pl.BlockSpec((None, chunk, hb, p), lambda i, j, m: (*bc(i), j, 0)),  # x
+            group_rows,  # B
+            group_rows,  # C
+            pl.BlockSpec((hb,), lambda i, j, m: (j,)),  # D
+            head_rows,  # dt
+            head_rows,  # decay cumsum
+            pl.BlockSpec((None, None, hb, p, n), lambda i, j, m: (*bc(i), j, 0, 0)),  # entering states
         ],
-        out_specs=[
-            pl.BlockSpec((None, bm, None, p), lambda i, j, m: (i // n_chunks, (i % n_chunks) * per_chunk + m, j, 0)),
-        ],
+        out_specs=[pl.BlockSpec((None, bm, hb, p), lambda i, j, m: (bc(i)[0], bc(i)[1] * per_chunk + m, j, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, length, h, p), out_dtype)],
         num_warps=cfg.output_warps,
         num_stages=cfg.output_stages,
@@ -243,30 +294,40 @@ def _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg: Prefi
 
 
 def _chunk_output_kernel(x_ref, B_ref, C_ref, D_ref, dt_ref, decay_ref, state_ref, y_ref, *, length, chunk, op_dtype):
-    bm = y_ref.shape[0]
+    bm, heads = y_ref.shape[:2]
     m = pl.program_id(2)
     chunk_start = (pl.program_id(0) % pl.cdiv(length, chunk)) * chunk
     rows = pl.ds(m * bm, bm)
     row_ids = m * bm + jnp.arange(bm)
     row_valid = chunk_start + row_ids < length
-    decay_m = decay_ref[rows]
     C_m = pltriton.load(C_ref.at[rows, :], mask=row_valid[:, None], other=0.0).astype(op_dtype)
+    decay_m = [decay_ref[j, rows] for j in range(heads)]
+    head = [_index(j) for j in range(heads)]  # traced at the top level: loop bodies cannot call program_id here
 
     # Inter-chunk: the state entering the chunk, read out by C and decayed to each row.
-    from_state = dot(C_m, state_ref[...].astype(op_dtype), trans_b=True) * jnp.exp(jnp.minimum(decay_m, 0.0))[:, None]
+    from_state = tuple(
+        dot(C_m, state_ref[j].astype(op_dtype), trans_b=True) * jnp.exp(jnp.minimum(decay_m[j], 0.0))[:, None]
+        for j in range(heads)
+    )
 
-    def diagonal_block(k, acc):
+    def diagonal_block(k, accs):
+        """Rows m, columns k of the diagonal block: C_m B_k^T (shared by the heads) decayed per head, times x_k."""
         cols = pl.ds(k * bm, bm)
         col_ids = k * bm + jnp.arange(bm)
         col_valid = chunk_start + col_ids < length
         B_k = pltriton.load(B_ref.at[cols, :], mask=col_valid[:, None], other=0.0).astype(op_dtype)
-        x_k = pltriton.load(x_ref.at[cols, :], mask=col_valid[:, None], other=0.0).astype(op_dtype)
         scores = dot(C_m, B_k, trans_b=True)  # (bm, bm)
-        decay = jnp.exp(jnp.minimum(decay_m[:, None] - decay_ref[cols][None, :], 0.0)) * dt_ref[cols][None, :]
-        weights = jnp.where(row_ids[:, None] >= col_ids[None, :], scores * decay, 0.0)
-        return acc + dot(weights.astype(op_dtype), x_k)
+        causal = row_ids[:, None] >= col_ids[None, :]
+        out = []
+        for j in range(heads):
+            x_k = pltriton.load(x_ref.at[cols, head[j], :], mask=col_valid[:, None], other=0.0).astype(op_dtype)
+            decay = jnp.exp(jnp.minimum(decay_m[j][:, None] - decay_ref[j, cols][None, :], 0.0))
+            weights = jnp.where(causal, scores * decay * dt_ref[j, cols][None, :], 0.0)
+            out.append(accs[j] + dot(weights.astype(op_dtype), x_k))
+        return tuple(out)
 
-    y = jax.lax.fori_loop(0, m + 1, diagonal_block, from_state)
-    x_m = pltriton.load(x_ref.at[rows, :], mask=row_valid[:, None], other=0.0).astype(F32)
-    y = y + D_ref[...].astype(F32) * x_m
-    pltriton.store(y_ref, y.astype(y_ref.dtype), mask=row_valid[:, None])
+    ys = jax.lax.fori_loop(0, m + 1, diagonal_block, from_state)
+    for j in range(heads):
+        x_m = pltriton.load(x_ref.at[rows, head[j], :], mask=row_valid[:, None], other=0.0).astype(F32)
+        y = ys[j] + D_ref[j].astype(F32) * x_m
+        pltriton.store(y_ref.at[:, head[j], :], y.astype(y_ref.dtype), mask=row_valid[:, None])

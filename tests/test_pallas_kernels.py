@@ -76,13 +76,22 @@ def _reference(x, dt, A, B, C, D, s0):
 
 # ---------------------------------------------------------------------------------------------- prefill
 
+
+def _case(b, L, h, p, g, n, chunk, dtype, **options):
+    """Dims, dtype and options: `initial`, `fast_decay`, and PrefillConfig fields."""
+    return (b, L, h, p, g, n, chunk, dtype, options)
+
+
 PREFILL_CASES = {
-    # name: (b, L, h, p, g, n, chunk, dtype, options)
-    "ragged_L_batch_groups_initial": (2, 100, 4, 32, 2, 32, 32, jnp.float32, dict(block_p=16)),
-    "L_shorter_than_chunk_odd_dims": (1, 10, 2, 8, 1, 12, 16, jnp.float32, dict(initial=False)),
-    "bf16_ragged_groups_initial": (2, 100, 4, 16, 2, 32, 32, jnp.bfloat16, {}),
-    "fast_decay_multi_block": (1, 70, 4, 16, 1, 16, 32, jnp.float32, dict(fast_decay=True, block_m=16, block_k=16)),
-    "bf16_fast_decay_one_group": (1, 64, 3, 16, 1, 16, 16, jnp.bfloat16, dict(fast_decay=True, initial=False)),
+    "ragged_L_batch_groups_initial": _case(
+        2, 100, 4, 32, 2, 32, 32, jnp.float32, block_p=16, block_n=16, heads_per_program=2
+    ),
+    "L_shorter_than_chunk_odd_dims": _case(1, 10, 2, 8, 1, 12, 16, jnp.float32, initial=False),
+    "bf16_ragged_groups_initial": _case(2, 100, 4, 16, 2, 32, 32, jnp.bfloat16, heads_per_program=2),
+    "fast_decay_multi_block": _case(
+        1, 70, 4, 16, 1, 16, 32, jnp.float32, fast_decay=True, block_m=16, block_k=16, heads_per_program=4
+    ),
+    "bf16_fast_decay_one_group": _case(1, 64, 3, 16, 1, 16, 16, jnp.bfloat16, fast_decay=True, initial=False),
 }
 
 
