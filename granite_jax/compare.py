@@ -277,24 +277,22 @@ def _best(runs: Sequence[tuple[float, float, int, int]], **extra: float) -> dict
 def speed(
     pair: Pair, batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int = 2, log=None
 ) -> list[dict[str, Any]]:
-    """Prefill and decode tokens/s of both, and granite-jax's speed-up, at each batch size."""
+    """Prefill and decode tokens/s of granite-jax and (unless `pair.hf` is None) transformers, and the speed-ups, at
+    each batch size."""
     rows = []
     for batch in batch_sizes:
         _log(log, f"speed: granite-jax, batch {batch}")
         ours = jax_speed(pair.generator, batch, prompt_len, new_tokens, repeats)
-        _log(log, f"speed: transformers, batch {batch}")
-        theirs = hf_speed(pair.hf, pair.jax.cfg.vocab_size, batch, prompt_len, new_tokens, repeats)
-        rows.append(
-            dict(
-                batch=batch,
-                prompt_len=prompt_len,
-                new_tokens=new_tokens,
-                jax=ours,
+        row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, jax=ours)
+        if pair.hf is not None:
+            _log(log, f"speed: transformers, batch {batch}")
+            theirs = hf_speed(pair.hf, pair.jax.cfg.vocab_size, batch, prompt_len, new_tokens, repeats)
+            row |= dict(
                 hf=theirs,
                 prefill_speedup=ours["prefill_tokens_per_s"] / theirs["prefill_tokens_per_s"],
                 decode_speedup=ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
             )
-        )
+        rows.append(row)
     return rows
 
 
@@ -387,35 +385,55 @@ def plot(results: dict[str, Any], path: str) -> str:
     """Left: relative error per layer (log scale). Right: tokens/s of both, with the speed-ups."""
     plt = matplotlib_pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    layers = [r for r in results["layer_errors"] if r["layer"] != "logits"]
-    colors = ["tab:blue" if r["kind"].startswith("mamba") else "tab:orange" for r in layers]
-    left.bar(range(len(layers)), [max(r["rel_err"], 1e-12) for r in layers], color=colors)
-    left.set_yscale("log")
-    left.set_xticks(range(len(layers)), [str(i) for i in range(len(layers))], fontsize=7 if len(layers) > 16 else 10)
-    left.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="relative error vs transformers")
-    left.set_title(f"hidden-state error, {results['dtype']}")
-    labels, ours, theirs, ratios = [], [], [], []
-    for s in results["speed"]:
-        for phase in ("prefill", "decode"):
-            labels.append(f"{phase}\nbatch {s['batch']}")
-            ours.append(s["jax"][f"{phase}_tokens_per_s"])
-            theirs.append(s["hf"][f"{phase}_tokens_per_s"])
-            ratios.append(s[f"{phase}_speedup"])
-    x = np.arange(len(labels))
-    right.bar(x - 0.2, ours, 0.4, label="granite-jax")
-    right.bar(x + 0.2, theirs, 0.4, label="transformers")
-    for xi, y, r in zip(x, ours, ratios):
-        right.annotate(f"{r:.1f}x", (xi - 0.2, y), ha="center", va="bottom", fontsize=9)
-    right.set_xticks(x, labels)
-    right.set_yscale("log")
-    right.set(ylabel="tokens / s")
-    right.set_title("speed (greedy generation)")
-    right.legend()
+    plot_layer_errors(left, results["layer_errors"], results["dtype"])
+    plot_speed(right, results["speed"])
     fig.suptitle(results["model"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_layer_errors(ax, rows: list[dict[str, Any]], dtype: str) -> None:
+    """Bars of each layer's relative error (Mamba blue, attention orange), max abs error as a line, logits dashed."""
+    layers = [r for r in rows if r["layer"] != "logits"]
+    x = range(len(layers))
+    colors = ["tab:blue" if r["kind"].startswith("mamba") else "tab:orange" for r in layers]
+    ax.bar(x, [max(r["rel_err"], 1e-12) for r in layers], color=colors, label="relative error")
+    ax.plot(x, [max(r["max_abs_err"], 1e-12) for r in layers], "k.-", label="max abs error")
+    logits = [r for r in rows if r["layer"] == "logits"]
+    if logits:
+        ax.axhline(max(logits[0]["rel_err"], 1e-12), color="gray", ls="--", label="logits relative error")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [str(i) for i in x], fontsize=7 if len(layers) > 16 else 10)
+    ax.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="error vs transformers")
+    ax.set_title(f"hidden-state error, {dtype}")
+    ax.legend(fontsize=8)
+
+
+def plot_speed(ax, speeds: list[dict[str, Any]]) -> None:
+    """Grouped bars of prefill and decode tokens/s per batch size, granite-jax (annotated with the speed-up) and
+    transformers when measured."""
+    labels, ours, theirs, ratios = [], [], [], []
+    for s in speeds:
+        for phase in ("prefill", "decode"):
+            labels.append(f"{phase}\nbatch {s['batch']}")
+            ours.append(s["jax"][f"{phase}_tokens_per_s"])
+            theirs.append(s["hf"][f"{phase}_tokens_per_s"] if s.get("hf") else np.nan)
+            ratios.append(s.get(f"{phase}_speedup"))
+    x = np.arange(len(labels))
+    with_hf = not np.all(np.isnan(theirs))
+    width = 0.4 if with_hf else 0.6
+    ax.bar(x - (0.2 if with_hf else 0), ours, width, label="granite-jax")
+    if with_hf:
+        ax.bar(x + 0.2, theirs, width, label="transformers")
+        for xi, y, r in zip(x, ours, ratios):
+            ax.annotate(f"{r:.1f}x", (xi - 0.2, y), ha="center", va="bottom", fontsize=9)
+    ax.set_xticks(x, labels)
+    ax.set_yscale("log")
+    ax.set(ylabel="tokens / s")
+    ax.set_title("speed (greedy generation)")
+    ax.legend(fontsize=8)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -101,6 +101,29 @@ def test_scaling_quick_run(tmp_path):
     assert open(os.path.join(out, "scaling.png"), "rb").read(8) == PNG
 
 
+def test_rewrite_quick_run(tmp_path):
+    out, results, markdown = _run("configs/experiments/rewrite.py", tmp_path)
+    rows = results["rows"]
+    assert [(r["seq_len"], r["variant"]) for r in rows] == [
+        (n, v) for n in (32, 64) for v in ("naive", "rewritten", "xla")
+    ]
+    for row in rows:
+        assert row["time_ms"] > 0 and row["temp_mib"] >= 0 and row["rel_err_vs_xla"] < 1e-5
+    assert results["summary"]["rewriter_sites"] > 0
+    assert open(os.path.join(out, "rewrite.png"), "rb").read(8) == PNG
+
+
+def test_throughput_quick_run_without_transformers(tmp_path):
+    config = load("configs/experiments/throughput.py", "quick")
+    config.output_dir = str(tmp_path / "out")
+    config.measure.transformers = False
+    out = experiment.run(config)
+    with open(os.path.join(out, "results.json")) as f:
+        rows = json.load(f)["rows"]
+    assert [r["batch"] for r in rows] == [2] and rows[0]["jax_decode_tok_s"] > 0 and "hf_decode_tok_s" not in rows[0]
+    assert open(os.path.join(out, "throughput.png"), "rb").read(8) == PNG
+
+
 def test_bad_workload_values_rejected(tmp_path):
     config = load("configs/experiments/scaling.py", "quick")
     config.workload.dtype = "int8"
@@ -110,6 +133,10 @@ def test_bad_workload_values_rejected(tmp_path):
     config.model.checkpoint = str(tmp_path / "missing")
     config.model.num_layers = 2
     with pytest.raises(ExperimentError, match="num_layers applies to random weights only"):
+        experiment.run(config)
+    config = load("configs/experiments/throughput.py", "quick")
+    config.workload.rewriter = True
+    with pytest.raises(ExperimentError, match="workload.rewriter: the throughput experiment"):
         experiment.run(config)
 
 

@@ -312,3 +312,14 @@ def check_workload(workload) -> None:
 
 def model_spec(config) -> ModelSpec:
     return ModelSpec(config.model.checkpoint, config.model.name, config.model.num_layers, config.model.seed)
+
+
+def load_config_of(config) -> ModelConfig:
+    """The architecture of the experiment's model without reading weights: the checkpoint's config.json, or the name."""
+    if config.model.checkpoint:
+        from granite_jax.params import load_config
+
+        if not os.path.isdir(config.model.checkpoint):
+            raise ExperimentError(f"{config.model.checkpoint}: model directory not found")
+        return load_config(config.model.checkpoint)
+    return model_config(config.model.name, config.model.num_layers)

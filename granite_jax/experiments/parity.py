@@ -52,17 +52,9 @@ def run(config) -> Result:
 
 def plot(rows: list[dict[str, Any]], dtype: str, source: str, path: str) -> None:
     plt = matplotlib_pyplot()
-    layers = [r for r in rows if r["layer"] != "logits"]
     fig, ax = plt.subplots(figsize=(8, 4))
-    x = range(len(layers))
-    colors = ["tab:blue" if r["kind"].startswith("mamba") else "tab:orange" for r in layers]
-    ax.bar(x, [max(r["rel_err"], 1e-12) for r in layers], color=colors, label="relative error")
-    ax.plot(x, [max(r["max_abs_err"], 1e-12) for r in layers], "k.-", label="max abs error")
-    ax.axhline(rows[-1]["rel_err"], color="gray", ls="--", label="logits relative error")
-    ax.set_yscale("log")
-    ax.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="error vs transformers")
+    compare.plot_layer_errors(ax, rows, dtype)
     ax.set_title(f"granite-jax vs transformers, {dtype}\n{source}", fontsize=10)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

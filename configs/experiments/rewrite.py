@@ -1,0 +1,23 @@
+"""Rewrite: naive vs rewritten (`rewriter.rewrite`) vs "xla" SSD, time and compiled memory across sequence lengths.
+
+Uses the Mamba dimensions of the model (`model.name`, or the config.json of `model.checkpoint`; no weights are read).
+`workload.ssd_impl` and `workload.rewriter` do not apply: all three variants are always measured.
+
+    python -m granite_jax.experiment --config configs/experiments/rewrite.py
+    python -m granite_jax.experiment --config configs/experiments/rewrite.py --config.model.name=granite-4.0-h-tiny
+    python -m granite_jax.experiment --config configs/experiments/rewrite.py:quick     # tiny dims, seconds
+"""
+
+from granite_jax.experiments.common import default_config
+
+
+def get_config(arg=None):
+    c = default_config("rewrite")
+    c.workload.seq_len = 2048  # sweeps 256 ... 2048 unless workload.seq_lens is set (naive takes ~1 min at 2048)
+    c.measure.repeats = 2
+    c.measure.warmup = 0  # compiled ahead of time: the first call is not a compile
+    if arg == "quick":
+        c.model.name = "tiny"
+        c.workload.seq_lens = (32, 64)
+        c.measure.repeats = 1
+    return c

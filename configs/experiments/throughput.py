@@ -1,0 +1,25 @@
+"""Throughput: prefill and decode tokens per second, granite-jax vs transformers (same weights, greedy, CPU or GPU).
+
+python -m granite_jax.experiment --config configs/experiments/throughput.py
+python -m granite_jax.experiment --config configs/experiments/throughput.py --config.workload.batch_sizes='(1,4,16)'
+python -m granite_jax.experiment --config configs/experiments/throughput.py --noconfig.measure.transformers
+python -m granite_jax.experiment --config configs/experiments/throughput.py:quick      # tiny model
+"""
+
+from granite_jax.experiments.common import default_config
+
+
+def get_config(arg=None):
+    c = default_config("throughput")
+    c.workload.seq_len = 512  # prompt tokens per row
+    c.workload.new_tokens = 32
+    c.workload.batch_sizes = (1, 8)  # one row per batch size (workload.batch is used when this is empty)
+    c.measure.repeats = 2
+    c.measure.transformers = True  # also time transformers on the same weights (its CPU reference path)
+    if arg == "quick":
+        c.model.name = "tiny"
+        c.workload.seq_len = 16
+        c.workload.new_tokens = 4
+        c.workload.batch_sizes = (2,)
+        c.measure.repeats = 1
+    return c
