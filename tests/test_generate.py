@@ -1,0 +1,357 @@
+"""Generation: parity with transformers' generate, decode == full forward, chunked prefill, batching, stops, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from granite_jax.generate import Generator, bucket_length, cache_bucket
+from granite_jax.sampling import GenerationError, SamplingConfig
+
+PROMPTS = ["Granite is a family of language models.", "The quick", "def forward(x): return x * 2 + 1  # numbers"]
+GREEDY_32 = SamplingConfig(max_new_tokens=32, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_checkpoint) -> str:
+    """The tiny hybrid with large random weights: greedy continuations vary token to token (the default init repeats
+    one token forever, which would make token-for-token comparisons nearly vacuous)."""
+    return hf_checkpoint(initializer_range=1.0)
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint) -> Generator:
+    return Generator(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def hf_generate(checkpoint):
+    """hf_generate(prompts) -> transformers' greedy 32 new tokens per prompt (left-padded batch)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+    def run(prompts: list[str]) -> list[list[int]]:
+        enc = tokenizer(prompts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                **enc, do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+            )
+        return out[:, enc["input_ids"].shape[1] :].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def alone(generator) -> list[tuple[int, ...]]:
+    """Greedy 32 tokens of each prompt run on its own."""
+    return [generator.generate(p, GREEDY_32)[0].token_ids for p in PROMPTS]
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+
+def test_greedy_matches_transformers_single_prompt(generator, hf_generate, alone):
+    (expected,) = hf_generate(PROMPTS[:1])
+    assert len(set(expected)) > 8  # a non-degenerate continuation
+    assert list(alone[0]) == expected
+
+
+def test_greedy_matches_transformers_left_padded_batch(generator, hf_generate):
+    results = generator.generate(PROMPTS, GREEDY_32)
+    assert len({len(r.prompt_ids) for r in results}) == 3  # three different lengths, so real left padding
+    assert [list(r.token_ids) for r in results] == hf_generate(PROMPTS)
+
+
+def test_batch_equals_each_prompt_alone(generator, alone):
+    assert [r.token_ids for r in generator.generate(PROMPTS, GREEDY_32)] == alone
+
+
+def full_forward(model, ids: list[int]) -> np.ndarray:
+    """Logits (T, V) of one uncached forward (jitted: eagerly, every op would compile on its own)."""
+    return np.asarray(jax.jit(lambda m, x: m(x))(model, np.asarray([ids], np.int32)))[0]
+
+
+def assert_decode_matches_full_forward(generator: Generator, prompt: list[int], n: int) -> None:
+    """Teacher-forcing n tokens through the jitted decode step gives one full forward's logits (fp32, rel 1e-5)."""
+    continuation = np.random.default_rng(0).integers(0, generator.cfg.vocab_size, n).tolist()
+    stepped = generator.teacher_forced_logits([prompt], [continuation])[0]
+    full = full_forward(generator.model, prompt + continuation)[len(prompt) - 1 :]
+    assert stepped.shape == full.shape
+    assert np.max(np.abs(stepped - full)) <= 1e-5 * np.max(np.abs(full))
+
+
+def test_decode_matches_full_forward(generator):
+    assert_decode_matches_full_forward(generator, generator.encode(PROMPTS[0])[1][0], 24)
+
+
+@pytest.mark.parametrize("chunk", [16, 24])  # aligned with the SSD chunk (16) and not
+def test_chunked_prefill_matches_one_shot(generator, chunk):
+    chunked = Generator(model=generator.model, tokenizer=generator.tokenizer, prefill_chunk=chunk)
+    prompt = np.random.default_rng(1).integers(0, generator.cfg.vocab_size, 70).tolist()
+    one_shot_logits, one_shot_token, _ = generator.prefill([prompt])
+    logits, token, cache = chunked.prefill([prompt])
+    assert generator.layout([70], 1).segment_len == 128 and chunked.layout([70], 1).segment_len == chunk
+    assert int(cache.index) == bucket_length(70, chunk) > 70
+    scale = np.max(np.abs(np.asarray(one_shot_logits)))
+    assert np.max(np.abs(np.asarray(logits) - np.asarray(one_shot_logits))) <= 1e-5 * scale
+    assert np.asarray(token).tolist() == np.asarray(one_shot_token).tolist()
+
+
+def test_attention_free_model_decodes_like_full_forward(hf_checkpoint):
+    generator = Generator(hf_checkpoint(initializer_range=1.0, layer_types=["mamba"] * 4))
+    assert generator.layout([5], 6).cache_len == 0  # no KV cache at all
+    assert_decode_matches_full_forward(generator, [5, 17, 33, 2, 250], 8)
+
+
+# ---------------------------------------------------------------------------------------------- compilation
+
+
+def test_varied_prompt_lengths_do_not_recompile_decode(generator, alone):
+    decode_before = generator.compilations["decode"]
+    lengths = [3, 7, 11, 16, 20, 29]  # buckets 16 and 32
+    for n in lengths:
+        generator.generate([list(range(5, 5 + n))], max_new_tokens=3, stop_token_ids=())
+    assert generator.compilations["decode"] == decode_before  # batch size 1 was compiled by `alone`
+    assert {("prefill", 1, bucket_length(n, 512), 1024) for n in lengths} <= set(generator._executables)
+
+
+def test_buckets():
+    assert [bucket_length(n, 512) for n in (1, 16, 17, 100, 512, 513, 1500)] == [16, 16, 32, 128, 512, 1024, 1536]
+    assert [cache_bucket(n, 1024) for n in (10, 1024, 1025, 16384, 16385, 131072 + 200)] == [
+        1024,
+        1024,
+        2048,
+        16384,
+        32768,
+        147456,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- sampling and stops
+
+
+def test_seed_gives_the_same_output(generator):
+    sample = SamplingConfig(temperature=1.0, seed=7, max_new_tokens=12, stop_token_ids=())
+    first = generator.generate(PROMPTS[0], sample)[0].token_ids
+    assert generator.generate(PROMPTS[0], sample)[0].token_ids == first
+    assert generator.generate(PROMPTS[0], sample.replace(seed=8))[0].token_ids != first
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(generator, alone):
+    for options in (dict(top_k=1), dict(top_p=1e-6)):
+        sample = SamplingConfig(temperature=1.5, seed=3, max_new_tokens=32, stop_token_ids=(), **options)
+        assert generator.generate(PROMPTS[0], sample)[0].token_ids == alone[0]
+
+
+def test_stop_token_ends_each_row_on_its_own(generator, alone):
+    stop = alone[0][5]
+    first = alone[0].index(stop)
+    results = generator.generate(PROMPTS, GREEDY_32.replace(stop_token_ids=(stop,)))
+    for result, expected in zip(results, alone):
+        if stop in expected:
+            end = expected.index(stop) + 1
+            assert result.token_ids == expected[:end] and result.finish_reason == "stop_token"
+        else:
+            assert result.token_ids == expected and result.finish_reason == "length"
+    assert len(results[0].token_ids) == first + 1
+    assert results[0].text == generator.tokenizer.decode(alone[0][:first], skip_special_tokens=True)
+
+
+def test_model_eos_stops_by_default(generator):
+    (eos,) = generator.cfg.eos_token_id
+    result = generator.generate(PROMPTS[1], SamplingConfig(max_new_tokens=32, stop_token_ids=(eos,)))[0]
+    default = generator.generate(PROMPTS[1], SamplingConfig(max_new_tokens=32))[0]
+    assert default.token_ids == result.token_ids
+
+
+def test_stop_string_cuts_the_text_and_streaming_matches(generator, alone):
+    full = generator.tokenizer.decode(alone[0], skip_special_tokens=True)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop.strip()
+    pieces: list[str] = []
+    result = generator.generate(
+        PROMPTS[0],
+        GREEDY_32.replace(stop_strings=(stop,)),
+        stream_callback=lambda row, text: pieces.append(text),
+    )[0]
+    assert result.finish_reason == "stop_string"
+    assert result.text == full[: full.index(stop)]
+    assert "".join(pieces) == result.text
+    assert len(result.token_ids) < 32 and tuple(result.token_ids) == alone[0][: len(result.token_ids)]
+
+
+def test_streaming_batch_rebuilds_every_text(generator):
+    pieces: dict[int, str] = {}
+    results = generator.generate(
+        PROMPTS, GREEDY_32, stream_callback=lambda row, text: pieces.__setitem__(row, pieces.get(row, "") + text)
+    )
+    assert [pieces.get(i, "") for i in range(3)] == [r.text for r in results]
+
+
+def test_timing_is_reported(generator):
+    (result,) = generator.generate(PROMPTS[0], max_new_tokens=8, stop_token_ids=())
+    t = result.timing
+    assert t.prompt_tokens == len(result.prompt_ids) and t.decode_steps == 7 and t.decode_tokens == 7
+    assert t.prefill_tokens_per_s > 0 and t.decode_tokens_per_s > 0
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ("", "prompt 1 is empty"),
+        (["fine", ""], "prompt 2 is empty"),
+        ([], "no prompts given"),
+        ([[1, 2], []], "prompt 2 is empty"),
+        ([[1, 10**6]], r"token id 1000000 is outside \[0, vocab_size="),
+    ],
+)
+def test_invalid_prompts_are_rejected(generator, prompts, message):
+    with pytest.raises(GenerationError, match=message):
+        generator.generate(prompts, max_new_tokens=2)
+
+
+def test_invalid_sampling_values_are_rejected(generator):
+    with pytest.raises(GenerationError, match="temperature must be >= 0"):
+        generator.generate("hi", temperature=-1.0)
+    with pytest.raises(GenerationError, match="unknown sampling option"):
+        generator.generate("hi", temprature=1.0)
+
+
+def test_rope_model_rejects_prompts_past_max_positions(hf_checkpoint):
+    d = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=64)
+    generator = Generator(d)
+    with pytest.raises(GenerationError, match="65 tokens is longer than max_position_embeddings=64"):
+        generator.generate([list(range(5, 70))])
+    assert generator.layout([60], 100).max_new_tokens == 5  # new tokens stop at the position limit
+
+
+def test_fixed_cache_len_rejects_what_does_not_fit(generator):
+    fixed = Generator(model=generator.model, tokenizer=generator.tokenizer, max_cache_len=40)
+    assert fixed.layout([10], 20).cache_len == 40
+    with pytest.raises(GenerationError, match="more than max_cache_len=40"):
+        fixed.layout([10], 30)
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def test_chat_applies_the_template(generator):
+    _, (ids,) = generator.encode("Hi there", chat=True, system="Be brief.")
+    text = generator.tokenizer.decode(ids)
+    assert text == (
+        "<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n"
+        "<|start_of_role|>user<|end_of_role|>Hi there<|end_of_text|>\n"
+        "<|start_of_role|>assistant<|end_of_role|>"
+    )
+    _, (plain,) = generator.encode("Hi there")
+    assert len(plain) < len(ids)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+CLI_ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    HF_HUB_OFFLINE="1",
+    TRANSFORMERS_VERBOSITY="error",
+    JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as in conftest: compile time dominates on a tiny model
+)
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "granite_jax.generate", *args]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=CLI_ENV)
+
+
+def cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    process = start_cli(*args)
+    out, err = process.communicate(stdin, timeout=600)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def test_cli_help_explains_every_flag():
+    out = cli("--help")
+    assert out.returncode == 0
+    text = out.stdout.decode()
+    for flag in (
+        "--model",
+        "--prompt ",
+        "--prompt-file",
+        "--chat",
+        "--system",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--seed",
+        "--stop ",
+        "--stop-token-id",
+        "--ignore-eos",
+        "--dtype",
+        "--ssd-impl",
+        "--prefill-chunk",
+        "--max-cache-len",
+        "--stream",
+        "--no-stream",
+        "--json",
+        "--quiet",
+    ):
+        assert flag in text, flag
+
+
+CLI_ERRORS = [  # (arguments, stdin, expected message)
+    (("--prompt", "hi"), None, "pass --model DIR"),
+    (("--model", "/nonexistent/model", "--prompt", "hi"), None, "/nonexistent/model: model directory not found"),
+    (("--model", "{ckpt}"), b"\xff\xfehello", "standard input: not valid UTF-8"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"), None, "top_p must be in (0, 1]"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "0"), None, "max_new_tokens must be an integer"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--temperature", "x"), None, "invalid float value"),
+    (("--model", "{rope}", "--prompt", "x" * 100, "--quiet"), None, "longer than max_position_embeddings=64"),
+]
+
+
+def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint):
+    rope = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=64)
+    runs = []
+    for args, stdin, message in CLI_ERRORS:  # all at once: each run is mostly interpreter and import start-up
+        process = start_cli(*(a.format(ckpt=checkpoint, rope=rope) for a in args))
+        if stdin is not None:
+            process.stdin.write(stdin)
+        process.stdin.close()
+        runs.append((process, message))
+    for process, message in runs:
+        err = process.stderr.read().decode().strip()
+        assert process.wait(timeout=600) == 2, err
+        assert len(err.splitlines()) == 1 and message in err, err
+        assert "Traceback" not in err
+
+
+def test_cli_json_output(checkpoint, generator):
+    out = cli("--model", checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr.decode()
+    doc = json.loads(out.stdout)
+    expected = generator.generate(PROMPTS[:2], max_new_tokens=6)
+    assert [r["text"] for r in doc["results"]] == [r.text for r in expected]
+    assert [r["token_ids"] for r in doc["results"]] == [list(r.token_ids) for r in expected]
+    assert doc["prefill_tokens_per_s"] > 0 and doc["decode_tokens_per_s"] > 0
+
+
+def test_cli_streams_a_single_prompt(checkpoint, generator):
+    out = cli("--model", checkpoint, "--prompt", PROMPTS[1], "--max-new-tokens", "5", "--chat", "--quiet")
+    assert out.returncode == 0, out.stderr.decode()
+    expected = generator.generate(PROMPTS[1], max_new_tokens=5, chat=True)[0].text
+    assert out.stdout.decode() == expected + "\n"
