@@ -2,21 +2,24 @@
 
 Per head, with a_t = dt_t * A and, inside chunk c, the cumulative log-decay s_t = a_{cQ} + ... + a_t:
 
-1. `_chunk_state_kernel`, one program per (batch, head, block of p), walking the chunks in order. For each chunk it
-   computes dt (bias, softplus, clamp), its cumsum s, stores the state *entering* the chunk, then advances it:
-       state <- exp(s_last) * state + (x * dt * exp(s_last - s))^T @ B
-   It writes the entering states (b, c, h, p, n) f32, the final state, and dt and s as (b, h, L') f32 rows.
-   This fuses the reference's kernels 1 (cumsum), 2 (chunk states) and 3 (state passing).
-2. `_chunk_output_kernel`, one program per (batch, chunk, head, block of rows m), fully parallel. It computes
-       y_m = exp(s_m) * (C_m @ state_in^T)                                   (the inter-chunk term)
-           + sum_{k-blocks <= m} ((C_m @ B_k^T) * exp(s_m - s_k) * dt_k * [m >= k]) @ x_k   (the diagonal term)
+1. `_chunk_state_kernel`, one program per (batch, head, block of the (p, n) state), walking the sequence in order in
+   steps of `block_k` rows. It computes dt (bias, softplus, clamp) and s, stores the state *entering* each chunk, and
+   advances the state over each step:
+       state <- exp(a_k + ... + a_last) * state + (x * dt * exp(decay from each row to the step's end))^T @ B
+   It writes the entering states (b, c, h, p, n) in the matmul operand dtype, the final state (float32), and dt and s
+   as (b, h, L') float32 rows. This fuses the reference's kernels 1 (cumsum), 2 (chunk states), 3 (state passing).
+2. `_chunk_output_kernel`, one program per (batch, chunk, block of heads, block of rows m), fully parallel:
+       y_m = exp(s_m) * (C_m @ state_in^T)                                                  (inter-chunk term)
+           + sum_{k-blocks <= m} ((C_m @ B_k^T) * exp(s_m - s_k) * dt_k * [m >= k]) @ x_k      (diagonal term)
            + D * x_m
-   fusing the reference's kernels 4 (C B^T) and 5 (chunk scan); causal k-blocks above the diagonal are skipped.
+   C_m @ B_k^T is computed once per program and shared by its heads; causal k-blocks above the diagonal are skipped.
+   This fuses the reference's kernels 4 (C B^T) and 5 (chunk scan).
 
-Numerics: dt, the cumulative decays, the carried states and every accumulator are float32; matmul operands are the
-input dtype for 16-bit inputs (the decayed C B^T and the state are rounded to it, as in the reference kernels) and
-float32 with exact products otherwise. Every exponent is clamped with min(., 0), and every load past L is masked to
-zero, so padded or masked lanes never produce inf * 0. Requires A <= 0 and dt >= 0 (Mamba: A = -exp(A_log)).
+Numerics: dt, the cumulative decays, the carried state and every accumulator are float32; matmul operands are the
+input dtype for 16-bit inputs (the decay-weighted x, the decayed C B^T and the entering state are rounded to it, as in
+the reference kernels) and float32 with exact products otherwise. Every exponent is clamped with min(., 0) and every
+load past L is masked to zero, so padded or masked lanes never produce inf * 0. Requires A <= 0 and dt >= 0 (Mamba:
+A = -exp(A_log), dt after softplus).
 """
 
 from __future__ import annotations
@@ -134,6 +137,9 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias) -> None:
 def _chunk_states(x, dt, A, B, initial, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
     """States entering each chunk (b, c, h, p, n), the final state, and dt and the in-chunk decay cumsum (b, h, L').
 
+    The entering states are stored in the output kernel's matmul operand dtype (bf16 for 16-bit inputs, which that
+    kernel would round them to anyway); the carried and final states are float32.
+
     One program per (batch, head, block of the state); optional inputs (initial state, dt bias) are not passed at all
     when absent.
     """
@@ -185,7 +191,7 @@ def _chunk_states(x, dt, A, B, initial, chunk, cfg: PrefillConfig, *, bias, soft
             rows,  # decay cumsum
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, n_chunks, h, p, n), F32),
+            jax.ShapeDtypeStruct((b, n_chunks, h, p, n), operand_dtype(x.dtype)),  # the output kernel's operand
             jax.ShapeDtypeStruct((b, h, p, n), F32),
             jax.ShapeDtypeStruct((b, h, padded_len), F32),
             jax.ShapeDtypeStruct((b, h, padded_len), F32),
@@ -237,7 +243,7 @@ def _chunk_state_kernel(*refs, length, chunk, block_k, op_dtype, has_bias, has_i
         return jnp.exp(jnp.minimum(total, 0.0)) * state + contribution, offset + total
 
     def chunk_step(ci, state):
-        states_ref[ci] = state
+        states_ref[ci] = state.astype(states_ref.dtype)
         blocks = lambda j, carry: advance(ci * chunk + j * block_k, *carry)
         state, _ = jax.lax.fori_loop(0, chunk // block_k, blocks, (state, jnp.zeros((), F32)))
         return state
