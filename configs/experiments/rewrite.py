@@ -1,7 +1,8 @@
 """Rewrite: naive vs rewritten (`rewriter.rewrite`) vs "xla" SSD, time and compiled memory across sequence lengths.
 
 Uses the Mamba dimensions of the model (`model.name`, or the config.json of `model.checkpoint`; no weights are read).
-`workload.ssd_impl` and `workload.rewriter` do not apply: all three variants are always measured.
+`workload.ssd_impl` and `workload.rewriter` do not apply: all three variants are always measured, in float32. The
+measurement is benchmarks/rewrite_ssd.py's `bench_length`.
 
     python -m granite_jax.experiment --config configs/experiments/rewrite.py
     python -m granite_jax.experiment --config configs/experiments/rewrite.py --config.model.name=granite-4.0-h-tiny
@@ -13,11 +14,13 @@ from granite_jax.experiments.common import default_config
 
 def get_config(arg=None):
     c = default_config("rewrite")
-    c.workload.seq_len = 2048  # sweeps 256 ... 2048 unless workload.seq_lens is set (naive takes ~1 min at 2048)
-    c.measure.repeats = 2
-    c.measure.warmup = 0  # compiled ahead of time: the first call is not a compile
+    c.workload.seq_len = 2048  # sweeps 256 ... 2048 unless workload.seq_lens is set (naive: ~1 min a call at 2048)
+    c.measure.repeats = 5  # timed calls of the rewritten and xla SSDs per length (interleaved)
+    c.measure.naive_repeats = 2  # timed calls of the naive SSD per length
+    c.measure.max_naive_seconds = 300.0  # skip the naive SSD where one call is predicted to take longer
     if arg == "quick":
         c.model.name = "tiny"
         c.workload.seq_lens = (32, 64)
         c.measure.repeats = 1
+        c.measure.naive_repeats = 1
     return c

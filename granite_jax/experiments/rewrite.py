@@ -1,143 +1,115 @@
 """Rewrite: the naive SSD, the same code through `rewriter.rewrite`, and the einsum SSD ("xla") across lengths.
 
-At each sequence length each variant is compiled ahead of time on random inputs with the Mamba dimensions of the
-model config (heads, head dim, state size, groups, chunk size): XLA's memory analysis of the executable gives the
-temporaries it needs, and the median wall-clock of `workload.batch` rows gives the time. Each output is checked
-against the "xla" variant. The rewriter's own report (sites rewritten, intermediates removed) is recorded too.
+The measurement is the rewriter's benchmark, `benchmarks/rewrite_ssd.py` (`bench_length`: compile each variant ahead
+of time, record XLA's temporary memory and compile time, check against "xla", time interleaved repetitions, skip the
+naive SSD where one call would take too long), run at the Mamba dimensions of the experiment's model (heads, head
+dim, state, groups, chunk size; no weights are read). This module only maps the config onto it and tabulates.
 """
 
 from __future__ import annotations
 
-import functools
+import importlib.util
 import math
-from collections.abc import Callable
+import os
+import types
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from granite_jax.config import ModelConfig
-from granite_jax.experiments.common import (
-    DTYPES,
-    Result,
-    compiled_memory,
-    load_config_of,
-    matplotlib_pyplot,
-    sweep_lengths,
-    time_call,
-)
-from granite_jax.ssd import ssd_chunked, ssd_chunked_naive
+from granite_jax.experiments.common import ExperimentError, Result, load_config_of, matplotlib_pyplot, sweep_lengths
 
 VARIANTS = ("naive", "rewritten", "xla")
+BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 
 
-def ssd_variants(chunk_size: int) -> dict[str, Callable]:
-    """The three SSD functions compared, each (x, dt, A, B, C, D) -> (y, final state)."""
-    import rewriter
-
-    naive = functools.partial(ssd_chunked_naive, chunk_size=chunk_size)
-    return dict(
-        naive=naive, rewritten=rewriter.rewrite(naive), xla=functools.partial(ssd_chunked, chunk_size=chunk_size)
-    )
-
-
-def ssd_inputs(cfg: ModelConfig, batch: int, length: int, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
-    """Random SSD inputs of the model's Mamba shape: x (b, L, h, p), dt (b, L, h), A, D (h,), B, C (b, L, g, n)."""
-    h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
-    rng = np.random.default_rng(seed)
-    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
-    dt = jnp.asarray(np.log1p(np.exp(rng.standard_normal((batch, length, h)) - 2.0)), jnp.float32)
-    A = -jnp.asarray(np.exp(rng.uniform(0.0, 1.0, h)), jnp.float32)
-    return normal(batch, length, h, p), dt, A, normal(batch, length, g, n), normal(batch, length, g, n), jnp.ones(h)
+def benchmark_module():
+    """benchmarks/rewrite_ssd.py, the single implementation of this measurement (a script, so loaded by path)."""
+    path = os.path.join(BENCHMARK, "rewrite_ssd.py")
+    if not os.path.isfile(path):
+        raise ExperimentError(f"{path}: the rewriter benchmark is missing (the rewrite experiment runs it)")
+    spec = importlib.util.spec_from_file_location("rewrite_ssd_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def measure_length(cfg: ModelConfig, batch: int, length: int, dtype, repeats: int, warmup: int, seed: int):
-    """Rows (one per variant) at one sequence length: time, compiled memory, error against "xla"."""
-    args = ssd_inputs(cfg, batch, length, dtype, seed)
-    outputs, rows = {}, []
-    for name, fn in ssd_variants(cfg.mamba_chunk_size).items():
-        compiled = jax.jit(fn).lower(*args).compile()
-        memory = compiled_memory(compiled)
-        timing = time_call(functools.partial(compiled, *args), repeats=repeats, warmup=warmup)
-        outputs[name] = compiled(*args)
-        rows.append(
-            dict(
-                seq_len=length,
-                variant=name,
-                time_ms=1e3 * timing["median_s"],
-                temp_mib=memory.get("temp_bytes", math.nan) / 2**20,
-                peak_mib=memory.get("peak_bytes", math.nan) / 2**20,
-            )
-        )
-    for row in rows:
-        row["rel_err_vs_xla"] = relative_error(outputs[row["variant"]][0], outputs["xla"][0])
-    return rows
-
-
-def relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
-def rewriter_report(cfg: ModelConfig, batch: int, length: int, dtype) -> dict[str, Any]:
-    """What `rewriter.analyze` says about the naive SSD at this shape."""
-    import rewriter
-
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in ssd_inputs(cfg, batch, length, dtype)]
-    report = rewriter.analyze(functools.partial(ssd_chunked_naive, chunk_size=cfg.mamba_chunk_size), *shapes)
-    return dict(
-        sites=len(report.sites),
-        rewritten=len(report.rewritten),
-        fused=len(report.fused),
-        skipped=len(report.skipped),
-        intermediate_mib_removed=sum(s.intermediate_bytes for s in report.rewritten + report.fused) / 2**20,
+def benchmark_args(cfg: ModelConfig, workload, measure) -> types.SimpleNamespace:
+    """The benchmark's command-line arguments for this model's Mamba dimensions and the experiment's workload."""
+    return types.SimpleNamespace(
+        batch=workload.batch,
+        heads=cfg.mamba_n_heads,
+        head_dim=cfg.mamba_d_head,
+        state=cfg.mamba_d_state,
+        groups=cfg.mamba_n_groups,
+        chunk=cfg.mamba_chunk_size,
+        reps=measure.repeats,
+        naive_reps=min(measure.repeats, measure.naive_repeats),
+        max_naive_seconds=measure.max_naive_seconds,
     )
 
 
 def run(config) -> Result:
     w, m = config.workload, config.measure
+    if w.dtype != "float32":
+        raise ExperimentError("workload.dtype: the rewrite benchmark runs the SSD in float32 only")
     cfg = load_config_of(config)
-    dtype = DTYPES[w.dtype]
+    bench = benchmark_module()
+    args = benchmark_args(cfg, w, m)
     lengths = sweep_lengths(w.seq_lens, w.seq_len)
-    rows = []
-    for length in (bar := tqdm(lengths, desc="rewrite", unit="length")):
-        bar.set_postfix_str(f"seq_len {length}")
-        rows += measure_length(cfg, w.batch, length, dtype, m.repeats, m.warmup, config.model.seed)
-    report = rewriter_report(cfg, w.batch, lengths[-1], dtype)
-    dims = (
-        f"{cfg.mamba_n_heads} heads x {cfg.mamba_d_head}, state {cfg.mamba_d_state}, {cfg.mamba_n_groups} group(s), "
-        f"chunk {cfg.mamba_chunk_size}"
-    )
+    functions = bench.functions(args.chunk)
+    results, naive_per_token = [], None
+    with tqdm(total=len(lengths) * (2 * args.reps + args.naive_reps), desc="rewrite", unit="call") as bar:
+        for length in lengths:
+            bar.set_postfix_str(f"seq_len {length}")
+            result = bench.bench_length(args, length, functions, naive_per_token, bar)
+            result["ratios"] = bench.ratios(result)
+            if "min_s" in result["impls"]["naive"]:
+                naive_per_token = result["impls"]["naive"]["min_s"] / length
+            results.append(result)
+    rows = [row(r, name) for r in results for name in VARIANTS]
+    dims = f"{args.heads} heads x {args.head_dim}, state {args.state}, {args.groups} group(s), chunk {args.chunk}"
     return Result(
-        title=f"Rewrite: naive vs rewritten vs xla SSD (batch {w.batch}, {w.dtype}, {dims})",
+        title=f"Rewrite: naive vs rewritten vs xla SSD (batch {w.batch}, float32, {dims})",
         rows=rows,
-        columns=["seq_len", "variant", "time_ms", "temp_mib", "peak_mib", "rel_err_vs_xla"],
-        summary=summarize(rows) | {f"rewriter_{k}": v for k, v in report.items()},
+        columns=["seq_len", "variant", "median_ms", "min_ms", "temp_mib", "compile_s", "rel_diff_vs_xla", "note"],
+        summary=summarize(results),
         notes=[
             "naive: `ssd_chunked_naive` (broadcast products + sums, as transformers' torch_forward wrote it); "
             "rewritten: the same function through `rewriter.rewrite`; xla: `ssd_chunked` (einsum contractions).",
-            "time_ms: median of the compiled SSD call; temp_mib / peak_mib: XLA memory analysis of the executable.",
-            f"rewriter_*: `rewriter.analyze` of the naive SSD at seq_len {lengths[-1]}.",
+            "Measured by benchmarks/rewrite_ssd.py `bench_length`: median/min of interleaved calls, temp_mib = XLA "
+            "`memory_analysis().temp_size_in_bytes`; rel_diff = max |y - y_xla| / max |y_xla|.",
+            f"rewriter sites at seq_len {lengths[-1]}: " + "; ".join(results[-1]["sites"]),
         ],
         plots={"rewrite.png": lambda path: plot(rows, dims, path)},
-        model=dict(source=f"SSD of {config.model.checkpoint or config.model.name}: {dims}", mamba_dims=dims),
+        model=dict(source=f"SSD of {config.model.checkpoint or config.model.name}", mamba_dims=dims),
     )
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    longest = max(r["seq_len"] for r in rows)
-    at = {r["variant"]: r for r in rows if r["seq_len"] == longest}
+def row(result: dict[str, Any], name: str) -> dict[str, Any]:
+    rec = result["impls"][name]
     return dict(
-        seq_len=longest,
-        rewritten_speedup_over_naive=at["naive"]["time_ms"] / at["rewritten"]["time_ms"],
-        rewritten_vs_xla_time=at["rewritten"]["time_ms"] / at["xla"]["time_ms"],
-        naive_temp_mib=at["naive"]["temp_mib"],
-        rewritten_temp_mib=at["rewritten"]["temp_mib"],
-        xla_temp_mib=at["xla"]["temp_mib"],
-        max_rel_err_vs_xla=max(r["rel_err_vs_xla"] for r in rows),
+        seq_len=result["L"],
+        variant=name,
+        median_ms=1e3 * rec["median_s"] if "median_s" in rec else math.nan,
+        min_ms=1e3 * rec["min_s"] if "min_s" in rec else math.nan,
+        temp_mib=rec["temp_bytes"] / 2**20 if "temp_bytes" in rec else math.nan,
+        compile_s=rec.get("compile_s", math.nan),
+        rel_diff_vs_xla=rec.get("rel_diff_vs_xla", math.nan),
+        note=rec.get("skipped", ""),
     )
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    last = results[-1]
+    impls = last["impls"]
+    out = dict(seq_len=last["L"], **{f"{k}_at_longest": v for k, v in last["ratios"].items()})
+    for name in VARIANTS:
+        if "temp_bytes" in impls[name]:
+            out[f"{name}_temp_mib_at_longest"] = impls[name]["temp_bytes"] / 2**20
+    out["sites_rewritten"] = sum(s.startswith("rewritten") for s in last["sites"])
+    out["sites_total"] = len(last["sites"])
+    return out
 
 
 def plot(rows: list[dict[str, Any]], dims: str, path: str) -> None:
@@ -146,10 +118,10 @@ def plot(rows: list[dict[str, Any]], dims: str, path: str) -> None:
     for name, style in zip(VARIANTS, ("o-", "s-", "^-")):
         mine = [r for r in rows if r["variant"] == name]
         n = [r["seq_len"] for r in mine]
-        t_ax.plot(n, [r["time_ms"] for r in mine], style, label=name)
+        t_ax.plot(n, [r["median_ms"] for r in mine], style, label=name)
         m_ax.plot(n, [r["temp_mib"] for r in mine], style, label=name)
     lengths = sorted({r["seq_len"] for r in rows})
-    for ax, ylabel, title in ((t_ax, "ms", "SSD time"), (m_ax, "MiB", "compiled temporaries")):
+    for ax, ylabel, title in ((t_ax, "ms (median)", "SSD time"), (m_ax, "MiB", "compiled temporaries")):
         ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel=ylabel)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.minorticks_off()
