@@ -21,6 +21,7 @@ minimum HBM traffic (inputs read once, outputs written once). The floor is max(b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -103,27 +104,46 @@ def layer_bytes(cfg, d: Dims, act_bytes: int) -> float:
 # ---------------------------------------------------------------------------------------------- timing
 
 
-def time_fn(fn: Callable, *args, min_seconds: float, max_reps: int = 200) -> tuple[float, float]:
-    """Median and min seconds per call of an already compiled fn (after one warm-up call)."""
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median: float  # seconds per call
+    best: float
+    first_call: float  # compile + one run
+
+
+_DEADLINE = [math.inf]  # perf_counter() after which the remaining measurements are skipped
+
+
+def out_of_time() -> bool:
+    return time.perf_counter() > _DEADLINE[0]
+
+
+def time_fn(fn: Callable, *args, min_seconds: float, max_reps: int = 200) -> Timing:
+    """Compile and run once, then time calls for about `min_seconds` (at least 3, or 1 if a call exceeds a second)."""
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - start
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     once = time.perf_counter() - start
-    reps = max(3, min(max_reps, int(min_seconds / max(once, 1e-6))))
-    times = []
+    reps = 1 if once > 1.0 else max(3, min(max_reps, int(min_seconds / max(once, 1e-6))))
+    times = [once]
     for _ in range(reps):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times), min(times)
+    return Timing(statistics.median(times[1:]), min(times), first)
 
 
-def record(kind: str, name: str, seconds: float, flops: float, nbytes: float, ceilings: dict, **extra) -> dict:
+def record(kind: str, name: str, timing: Timing, flops: float, nbytes: float, ceilings: dict, **extra) -> dict:
+    seconds = timing.median
     floor = max(nbytes / (ceilings["peak_gbs"] * 1e9), flops / (ceilings["peak_tflops"] * 1e12))
     rec = dict(
         kind=kind,
         impl=name,
         us=seconds * 1e6,
+        best_us=timing.best * 1e6,
+        first_call_s=timing.first_call,
         tflops=flops / seconds / 1e12,
         gbs=nbytes / seconds / 1e9,
         frac_peak_flops=flops / seconds / (ceilings["peak_tflops"] * 1e12),
@@ -133,16 +153,21 @@ def record(kind: str, name: str, seconds: float, flops: float, nbytes: float, ce
         **extra,
     )
     print(
-        f"  {kind:7s} {name:22s} {rec['us']:10.1f} us  {rec['tflops']:7.2f} TFLOP/s ({rec['frac_peak_flops']:6.1%})  "
+        f"  {kind:7s} {name:30s} {rec['us']:10.1f} us  {rec['tflops']:7.2f} TFLOP/s ({rec['frac_peak_flops']:6.1%})  "
         f"{rec['gbs']:8.1f} GB/s ({rec['frac_peak_bw']:6.1%})  {rec['x_floor']:6.2f}x floor ({rec['floor_us']:.1f} us)",
         flush=True,
     )
     return rec
 
 
+def skipped(kind: str, name: str, **extra) -> dict:
+    print(f"  {kind:7s} {name:30s} skipped (time budget)", flush=True)
+    return dict(kind=kind, impl=name, skipped="time budget", **extra)
+
+
 def failure(kind: str, name: str, error: BaseException, **extra) -> dict:
     text = f"{type(error).__name__}: {error}"
-    print(f"  {kind:7s} {name:22s} FAILED {text[:300]}", flush=True)
+    print(f"  {kind:7s} {name:30s} FAILED {text[:300]}", flush=True)
     return dict(kind=kind, impl=name, error=text[:4000], **extra)
 
 
@@ -246,25 +271,13 @@ def bench_ssd(d: Dims, dtype, ceilings: dict, min_seconds: float, naive: bool) -
     flops = ssd_flops(d)
     results = []
     for name, fn in ssd_variants(d.chunk, naive=naive).items():
-        y_bytes = in_bytes if name == "pallas_y16" else 4
+        if out_of_time():
+            results.append(skipped("ssd", name, L=d.L))
+            continue
+        nbytes = ssd_bytes(d, in_bytes, in_bytes if name == "pallas_y16" else 4)
         try:
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            compile_s = time.perf_counter() - start
-            median, best = time_fn(fn, *args, min_seconds=min_seconds)
-            results.append(
-                record(
-                    "ssd",
-                    name,
-                    median,
-                    flops,
-                    ssd_bytes(d, in_bytes, y_bytes),
-                    ceilings,
-                    L=d.L,
-                    best_us=best * 1e6,
-                    first_call_s=compile_s,
-                )  # fmt: skip
-            )
+            timing = time_fn(fn, *args, min_seconds=min_seconds)
+            results.append(record("ssd", name, timing, flops, nbytes, ceilings, L=d.L))
         except Exception as e:  # noqa: BLE001 - one failing variant must not stop the run
             results.append(failure("ssd", name, e, L=d.L))
     return results
@@ -281,23 +294,15 @@ def bench_sweep(d: Dims, dtype, ceilings: dict, min_seconds: float) -> list[dict
         config = pallas_kernels.PrefillConfig(**overrides)
         name = ",".join(f"{k}={v}" for k, v in overrides.items()) or "default"
         fn = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk, config=config))
+        extra = dict(L=d.L, config=dataclasses.asdict(config))
+        if out_of_time():
+            results.append(skipped("sweep", name, **extra))
+            continue
         try:
-            median, best = time_fn(fn, *args, min_seconds=min_seconds)
-            results.append(
-                record(
-                    "sweep",
-                    name,
-                    median,
-                    ssd_flops(d),
-                    ssd_bytes(d, in_bytes, 4),
-                    ceilings,
-                    L=d.L,
-                    config=dataclasses.asdict(config),
-                    best_us=best * 1e6,
-                )  # fmt: skip
-            )
+            timing = time_fn(fn, *args, min_seconds=min_seconds)
+            results.append(record("sweep", name, timing, ssd_flops(d), ssd_bytes(d, in_bytes, 4), ceilings, **extra))
         except Exception as e:  # noqa: BLE001
-            results.append(failure("sweep", name, e, L=d.L, config=dataclasses.asdict(config)))
+            results.append(failure("sweep", name, e, **extra))
     return results
 
 
@@ -349,28 +354,36 @@ def bench_layer(d: Dims, dtype, ceilings: dict, min_seconds: float, smoke: bool,
     act_bytes = jnp.dtype(dtype).itemsize
     results = []
     for impl in impls:
+        if out_of_time():
+            results.append(skipped("layer", impl, L=d.L))
+            continue
         try:
             cfg = mamba_config(smoke, "naive" if impl == "rewritten" else impl)
             fn, params = layer_fn(cfg, dtype, impl)
             x = jnp.asarray(np.random.default_rng(5).standard_normal((d.b, d.L, cfg.hidden_size), np.float32), dtype)
-            median, best = time_fn(fn, params, x, min_seconds=min_seconds)
-            results.append(
-                record(
-                    "layer",
-                    impl,
-                    median,
-                    layer_flops(cfg, d),
-                    layer_bytes(cfg, d, act_bytes),
-                    ceilings,
-                    L=d.L,
-                    best_us=best * 1e6,
-                )  # fmt: skip
-            )
+            timing = time_fn(fn, params, x, min_seconds=min_seconds)
+            flops, nbytes = layer_flops(cfg, d), layer_bytes(cfg, d, act_bytes)
+            results.append(record("layer", impl, timing, flops, nbytes, ceilings, L=d.L))
         except ImportError as e:
-            print(f"  layer   {impl:22s} skipped ({e})")
+            print(f"  layer   {impl:30s} skipped ({e})")
         except Exception as e:  # noqa: BLE001
             results.append(failure("layer", impl, e, L=d.L))
     return results
+
+
+def time_decode(step: Callable, state_shape: tuple, args: tuple, min_seconds: float) -> Timing:
+    """Time `state = step(state, *args)[1]` with the state donated, as a decode loop runs it."""
+    state = jnp.zeros(state_shape, jnp.float32)
+    start = time.perf_counter()
+    state = jax.block_until_ready(step(state, *args)[1])
+    first = time.perf_counter() - start
+    times = []
+    deadline = time.perf_counter() + min_seconds
+    while len(times) < 10 or (time.perf_counter() < deadline and len(times) < 2000):
+        start = time.perf_counter()
+        state = jax.block_until_ready(step(state, *args)[1])
+        times.append(time.perf_counter() - start)
+    return Timing(statistics.median(times), min(times), first)
 
 
 def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceilings: dict) -> list[dict]:
@@ -385,20 +398,12 @@ def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceiling
         nbytes = 2 * b * d.h * d.p * d.n * 4  # the float32 state read and written
         flops = 4 * b * d.h * d.p * d.n
         for name, step in (("xla", ssd_step), ("pallas", pallas_kernels.ssd_decode)):
-            fn = jax.jit(step, donate_argnums=0)
-            state = jnp.zeros((b, d.h, d.p, d.n), jnp.float32)
+            if out_of_time():
+                results.append(skipped("decode", name, batch=b))
+                continue
             try:
-
-                def run(state, fn=fn, args=args):
-                    return fn(state, *args)[1]
-
-                jax.block_until_ready(state := run(state))
-                times = []
-                for _ in range(max(10, min(500, int(min_seconds / 1e-5)))):
-                    start = time.perf_counter()
-                    state = jax.block_until_ready(run(state))
-                    times.append(time.perf_counter() - start)
-                results.append(record("decode", name, statistics.median(times), flops, nbytes, ceilings, batch=b))
+                timing = time_decode(jax.jit(step, donate_argnums=0), (b, d.h, d.p, d.n), args, min_seconds)
+                results.append(record("decode", name, timing, flops, nbytes, ceilings, batch=b))
             except Exception as e:  # noqa: BLE001
                 results.append(failure("decode", name, e, batch=b))
     return results
@@ -412,7 +417,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="2048,8192,32768", help="comma-separated L for the SSD and layer timings")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="x, B, C, dt dtype")
-    p.add_argument("--naive-max-len", type=int, default=8192, help="time naive/rewritten only up to this L")
+    p.add_argument("--naive-max-len", type=int, default=32768, help="time naive/rewritten only up to this L")
+    p.add_argument("--budget-seconds", type=float, default=540, help="skip what is left after this many seconds")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
     p.add_argument("--sweep", action="store_true", help="also time a few PrefillConfig tilings at --sweep-len")
     p.add_argument("--sweep-len", type=int, default=8192)
@@ -449,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     dims = SMOKE if args.smoke else H_TINY
     lengths = [int(v) for v in args.lengths.split(",")] if not args.smoke else [40, 100]
     started = time.perf_counter()
+    _DEADLINE[0] = started + args.budget_seconds
     results: list[dict] = []
-    context = _interpret() if args.smoke else _nothing()
+    context = _interpret() if args.smoke else contextlib.nullcontext()
     with context:
         d0 = Dims(b=args.batch, L=min(lengths), **dims)
         try:
@@ -464,11 +471,11 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_ssd(d, dtype, ceilings, args.min_seconds, naive=L <= args.naive_max_len)
             if not args.no_layer:
                 results += bench_layer(d, dtype, ceilings, args.min_seconds, args.smoke, naive=L <= args.naive_max_len)
-        if args.sweep:
-            results += bench_sweep(Dims(b=args.batch, L=args.sweep_len if not args.smoke else 40, **dims), dtype,
-                                   ceilings, args.min_seconds)  # fmt: skip
         batches = [int(v) for v in args.decode_batches.split(",")]
         results += bench_decode(Dims(b=1, L=1, **dims), dtype, batches, args.min_seconds, ceilings)
+        if args.sweep:
+            sweep_dims = Dims(b=args.batch, L=40 if args.smoke else args.sweep_len, **dims)
+            results += bench_sweep(sweep_dims, dtype, ceilings, args.min_seconds)
     summary = dict(
         environment=env,
         ceilings=ceilings,
@@ -486,14 +493,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
     print(text)
     return 0 if summary["checks_ok"] else 1
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _interpret():
