@@ -8,6 +8,8 @@ Public API (contracts identical to `granite_jax.ssd.ssd_chunked` and `granite_ja
   -> (y (b, h, p) float32, new_state (b, h, p, n) float32)`, the state updated in place (`input_output_aliases`).
 - `PrefillConfig`, `DecodeConfig`: tiling and launch parameters.
 
+Forward only (no differentiation rules): differentiate through `ssd_impl="xla"`.
+
 Where they run. On an NVIDIA GPU (A100, H100, H200). Anywhere else a call raises `PallasUnavailableError`
 ("ssd_impl='pallas' needs an NVIDIA GPU; use 'xla' on CPU"); nothing runs interpreted behind the caller's back.
 Tests opt in explicitly, around the code that traces the kernels (including a model forward):
