@@ -82,8 +82,9 @@ def skip_reason(c: Contraction, plan: Plan, options: Options) -> str | None:
     main = plan.main
     if main.m == 1 and main.n == 1:
         return "vector-by-vector product: no free dims on either side"
-    if main.k < options.min_dim or min(main.m, main.n) < options.min_dim:
-        return f"tiny contraction: K={main.k}, M={main.m}, N={main.n} (min_dim={options.min_dim})"
+    min_dim = options.gate_min_dim()
+    if main.k < min_dim or min(main.m, main.n) < min_dim:
+        return f"tiny contraction: K={main.k}, M={main.m}, N={main.n} (min_dim={min_dim})"
     if plan.flops < options.min_flops:
         return f"below the FLOP threshold: {plan.flops:,} < min_flops={options.min_flops:,.0f}"
     return None

@@ -16,7 +16,9 @@ class Options:
     """How `rewrite` and `analyze` treat each broadcast-multiply-sum site.
 
     min_flops: skip sites whose rewritten contraction costs fewer FLOPs than this (XLA fuses small ones well).
-    min_dim: skip sites whose main contraction has K, or its smaller free side, below this (a GEMM needs both).
+    min_dim: skip sites whose main contraction has K, or its smaller free side, below this. None picks it for the
+        default backend: 16 on GPU/TPU, where XLA turns smaller dots back into reductions, and 2 on CPU, where
+        XLA's dots beat its fused reductions even at K = 2 (docs/rewriter.md, "Profitability gate").
     precision: precision of the emitted dots. "auto" (default) is full float32 (`Precision.HIGHEST`, never TF32)
         unless the user set `jax.default_matmul_precision`, which is then respected. "highest", "high", "default",
         a `lax.Precision`, a `lax.DotAlgorithmPreset` or None (JAX's default) opt into faster modes.
@@ -28,7 +30,7 @@ class Options:
     """
 
     min_flops: float = 1e6
-    min_dim: int = 16
+    min_dim: int | None = None
     precision: Any = "auto"
     fuse_chains: bool = True
     verify: bool = False
@@ -38,13 +40,20 @@ class Options:
     def __post_init__(self):
         if not isinstance(self.min_flops, int | float) or self.min_flops < 0:
             raise ValueError(f"min_flops must be a number >= 0, got {self.min_flops!r}")
-        if not isinstance(self.min_dim, int) or isinstance(self.min_dim, bool) or self.min_dim < 1:
-            raise ValueError(f"min_dim must be an int >= 1, got {self.min_dim!r}")
+        if self.min_dim is not None and (
+            not isinstance(self.min_dim, int) or isinstance(self.min_dim, bool) or self.min_dim < 1
+        ):
+            raise ValueError(f"min_dim must be None or an int >= 1, got {self.min_dim!r}")
         for name in ("rtol", "atol"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value < 0):
                 raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
         dot_precision(self.precision)  # validates
+
+    def gate_min_dim(self) -> int:
+        if self.min_dim is not None:
+            return self.min_dim
+        return 2 if jax.default_backend() == "cpu" else 16
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> Options:

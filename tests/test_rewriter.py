@@ -70,14 +70,24 @@ def test_skip_vector_by_vector():
 
 def test_skip_tiny_contraction():
     a, b = rand(256, 4), rand(4, 256, seed=1)
-    reason = skip_reason(matmul_as_sum, a, b)
+    reason = skip_reason(matmul_as_sum, a, b, min_dim=16)
     assert reason.startswith("tiny contraction") and "K=4" in reason
 
 
 def test_skip_tiny_free_side():
-    a, b = rand(256, 256), rand(256, 2, seed=1)  # a matrix-vector product in disguise
-    reason = skip_reason(matmul_as_sum, a, b)
+    a, b = rand(256, 256), rand(256, 2, seed=1)  # nearly a matrix-vector product
+    reason = skip_reason(matmul_as_sum, a, b, min_dim=16)
     assert reason.startswith("tiny contraction") and "N=2" in reason
+
+
+def test_default_min_dim_follows_the_backend():
+    assert Options().gate_min_dim() == (2 if jax.default_backend() == "cpu" else 16)
+    assert Options(min_dim=7).gate_min_dim() == 7
+    a, b = rand(512, 2), rand(2, 512, seed=1)  # K = 2: a dot on CPU, a reduction on GPU
+    expected = "rewritten" if jax.default_backend() == "cpu" else "skipped"
+    assert only_site(rewriter.analyze(matmul_as_sum, a, b)).status == expected
+    a, b = rand(512, 512), rand(512, 1, seed=1)  # a matrix-vector product stays a reduction everywhere
+    assert skip_reason(matmul_as_sum, a, b).startswith("tiny contraction")
 
 
 def test_skip_below_flop_threshold():

@@ -21,7 +21,7 @@ def get_config() -> config_dict.ConfigDict:
     c.mamba_chunk_size = 256
     # rewriter options (rewriter.Options)
     c.min_flops = 1e6
-    c.min_dim = 16
+    c.min_dim = config_dict.placeholder(int)  # None: the default backend's (16 on GPU, 2 on CPU)
     c.fuse_chains = True
     c.precision = "auto"
     c.json_out = config_dict.placeholder(str)  # also save the report as JSON here
