@@ -63,6 +63,11 @@ def cuda_lowering() -> Iterator[None]:
         _MODE.reset(token)
 
 
+def interpreting() -> bool:
+    """Whether kernels traced now run interpreted (inside `interpret_mode()`)."""
+    return (_MODE.get() or _DEFAULT_MODE).interpret
+
+
 def _check_platform(mode: _Mode) -> None:
     if mode.interpret or mode.cuda_lowering:
         return

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._call import interpreting
+
 Array = jax.Array
 F32 = jnp.float32
 SOFTPLUS_THRESHOLD = 20.0  # softplus(t) == t in float32 above this, as in torch and the reference kernels
@@ -33,9 +35,13 @@ def operand_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return dtype if dtype in (jnp.bfloat16, jnp.float16) else F32
 
 
-def dot_precision(op_dtype: jnp.dtype) -> lax.Precision | None:
-    """float32 operands use exact float32 products (no TF32), matching the "xla" path at HIGHEST precision."""
-    return lax.Precision.HIGHEST if op_dtype == F32 else None
+def dot_precision(op_dtype: jnp.dtype) -> lax.Precision | lax.DotAlgorithmPreset | None:
+    """Precision of float32 matmuls: three TF32 tensor-core products on the GPU (Triton's TF32x3, close to float32
+    accuracy; exact float32 `tt.dot` has no tensor cores and spills badly), exact float32 when interpreted on CPU
+    (XLA:CPU has no TF32x3). 16-bit operands: the default (tensor cores, float32 accumulation)."""
+    if op_dtype != F32:
+        return None
+    return lax.Precision.HIGHEST if interpreting() else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def dot(a: Array, b: Array, *, trans_a: bool = False, trans_b: bool = False) -> Array:

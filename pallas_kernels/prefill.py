@@ -51,9 +51,9 @@ class PrefillConfig:
     block_p: int | None = None  # head-dim rows of the state per state program; None: see `_state_block_p`
     block_n: int = 128  # state columns per state program
     block_k: int = 64  # sequence rows the state program folds into the state per step
-    state_warps: int = 4
+    state_warps: int | None = None  # None: 4 for 16-bit inputs, 8 for float32 (3xTF32 needs the registers)
     state_stages: int = 2
-    output_warps: int = 4
+    output_warps: int | None = None  # None: as state_warps
     output_stages: int = 2
 
 
@@ -196,9 +196,13 @@ def _chunk_states(x, dt, A, B, initial, chunk, cfg: PrefillConfig, *, bias, soft
             jax.ShapeDtypeStruct((b, h, padded_len), F32),
             jax.ShapeDtypeStruct((b, h, padded_len), F32),
         ],
-        num_warps=cfg.state_warps,
+        num_warps=_warps(cfg.state_warps, x.dtype),
         num_stages=cfg.state_stages,
     )(*args)
+
+
+def _warps(warps: int | None, dtype: jnp.dtype) -> int:
+    return warps if warps is not None else 4 if operand_dtype(dtype) != F32 else 8
 
 
 def _state_block_p(block_p: int | None, programs: int, p: int, min_programs: int = 128) -> int:
@@ -293,7 +297,7 @@ def _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg: Prefi
         ],
         out_specs=[pl.BlockSpec((None, bm, hb, p), lambda i, j, m: (bc(i)[0], bc(i)[1] * per_chunk + m, j, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, length, h, p), out_dtype)],
-        num_warps=cfg.output_warps,
+        num_warps=_warps(cfg.output_warps, x.dtype),
         num_stages=cfg.output_stages,
     )(x, B, C, D, dt_rows, decay_rows, states_in)
     return y
