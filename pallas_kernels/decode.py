@@ -32,6 +32,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 1
 
+    def __post_init__(self):
+        if self.block_p < 1 or self.block_p & (self.block_p - 1):
+            raise ValueError(f"DecodeConfig.block_p={self.block_p}: must be a power of two")
+
 
 def ssd_decode(
     state: Array,
@@ -52,9 +56,9 @@ def ssd_decode(
     dt is raw when `dt_bias`/`dt_softplus`/`dt_limit` say so (softplus(dt + dt_bias) clamped to dt_limit, applied in
     the kernel), else already processed. Returns (y (b, h, p) float32, new state (b, h, p, n) float32).
     """
+    _check_shapes(state, x, dt, A, B, C, D, dt_bias)
     b, h, p = x.shape
     g, n = B.shape[1:]
-    _check_shapes(state, x, dt, A, B, C, D, dt_bias)
     cfg = config or DecodeConfig()
     pp, nn = padded_dim(p), padded_dim(n)
     padded = (pp, nn) != (p, n)

@@ -56,6 +56,16 @@ class PrefillConfig:
     output_warps: int | None = None  # None: as state_warps
     output_stages: int = 2
 
+    def __post_init__(self):
+        for name in ("block_m", "block_p", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                raise ValueError(f"PrefillConfig.{name}={value}: must be a power of two >= 16 (Triton dot tiles)")
+        for name in ("heads_per_program", "state_warps", "output_warps", "state_stages", "output_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"PrefillConfig.{name}={value}: must be >= 1")
+
 
 def kernel_chunk(chunk_size: int) -> int:
     """The chunk the kernels use: `chunk_size` rounded up to a power of two in [16, 256].
@@ -89,9 +99,9 @@ def ssd_prefill(
     initial_state (b, h, p, n). Returns y (b, L, h, p) in `out_dtype` (float32 by default) and the final state
     (b, h, p, n) in float32. Any L; p and n that are not powers of two >= 16 are zero-padded (an extra copy).
     """
+    _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias)
     b, length, h, p = x.shape
     g, n = B.shape[2:]
-    _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias)
     cfg = config or PrefillConfig()
     if length == 0:
         final = jnp.zeros((b, h, p, n), F32) if initial_state is None else initial_state.astype(F32)

@@ -137,6 +137,15 @@ def test_prefill_chunk_rounds_to_a_supported_power_of_two():
     assert [pallas_kernels.kernel_chunk(c) for c in (1, 16, 48, 64, 100, 256, 1024)] == [16, 16, 64, 64, 128, 256, 256]
 
 
+def test_configs_reject_tiles_triton_cannot_use():
+    with pytest.raises(ValueError, match="block_m=48"):
+        PrefillConfig(block_m=48)
+    with pytest.raises(ValueError, match="block_k=8"):
+        PrefillConfig(block_k=8)
+    with pytest.raises(ValueError, match="block_p=12"):
+        DecodeConfig(block_p=12)
+
+
 def test_prefill_rejects_bad_shapes():
     x = jnp.zeros((1, 8, 6, 16))
     B = jnp.zeros((1, 8, 4, 16))
