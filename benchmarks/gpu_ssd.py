@@ -27,6 +27,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -488,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = json.dumps(summary, indent=1)
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")
