@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from absl import app
+from absl import app, flags
 from ml_collections import config_dict, config_flags
 
 from rewriter.api import analyze
@@ -24,7 +24,6 @@ from rewriter.options import Options
 from rewriter.site import Report
 
 TARGETS = ("mamba_layer", "ssd", "model")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
 
 
 def model_config(c: config_dict.ConfigDict):
@@ -83,7 +82,7 @@ def report_for(c: config_dict.ConfigDict) -> Report:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    c = _CONFIG.value
+    c = flags.FLAGS.config
     if c is None:
         raise app.UsageError("--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
     report = report_for(c)
@@ -94,4 +93,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Defined only when run as a command, so importing this module next to other absl commands defines no flags.
+    config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
     app.run(main)
