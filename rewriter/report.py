@@ -11,6 +11,7 @@ sites in whatever jaxpr it is given.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from rewriter.options import Options
 from rewriter.site import Report
 
 TARGETS = ("mamba_layer", "ssd", "model")
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # absl's handler would print backend probing
 
 
 def model_config(c: config_dict.ConfigDict):
