@@ -324,14 +324,14 @@ def _expert_blocks(
     num_blocks = -(-M // block) + min(E, M)
     padded = jnp.zeros((num_blocks * block, rows.shape[1]), rows.dtype).at[dest].set(rows)
     block_experts = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
-    used_blocks = padded_ends[-1] // block
 
     def run_block(b, out):
         x = lax.dynamic_slice_in_dim(padded, b * block, block)
         y = act(x @ w_in[block_experts[b]]) @ w_out[block_experts[b]]
         return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
 
-    out = lax.fori_loop(0, used_blocks, run_block, jnp.zeros_like(padded))
+    # A static trip count (a scan, so the model stays reverse-differentiable); unused trailing blocks are all zeros.
+    out = lax.fori_loop(0, num_blocks, run_block, jnp.zeros_like(padded))
     return out[dest]
 
 
