@@ -341,20 +341,15 @@ def run_compare(pair: Pair, options: Options, log=None) -> dict[str, Any]:
         layer_errors=errors,
         greedy=agreement,
         speed=speeds,
-        environment=environment() | {"torch": _torch_version(), "transformers": _transformers_version()},
+        environment=environment() | _torch_environment(),
     )
 
 
-def _torch_version() -> str:
+def _torch_environment() -> dict[str, Any]:
     import torch
-
-    return torch.__version__
-
-
-def _transformers_version() -> str:
     import transformers
 
-    return transformers.__version__
+    return dict(torch=torch.__version__, torch_threads=torch.get_num_threads(), transformers=transformers.__version__)
 
 
 def table(results: dict[str, Any]) -> str:
@@ -471,6 +466,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt compared (32)")
     p.add_argument("--no-speed", action="store_true", help="skip the speed rows (errors and agreement only)")
     p.add_argument("--out", metavar="DIR", help="where to write compare.json and compare.png (runs/compare-...)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        help="torch.set_num_threads for transformers (default: torch's own, one per core); 1 avoids its thread "
+        "pool spinning when other processes share the cores",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     return p
 
@@ -518,6 +519,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model and args.num_layers is not None:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
+        if args.torch_threads is not None:
+            if args.torch_threads < 1:
+                raise ExperimentError("--torch-threads: must be positive")
+            import torch
+
+            torch.set_num_threads(args.torch_threads)
         spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
         _log(log, f"loading {spec.describe()} into granite-jax and transformers")
         pair = load_pair(spec, dtype=args.dtype, ssd_impl=args.ssd_impl)

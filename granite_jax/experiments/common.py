@@ -193,6 +193,7 @@ def environment() -> dict[str, Any]:
         cpu_count=os.cpu_count(),
         python=platform.python_version(),
         platform=platform.platform(),
+        load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
     )
 
 
