@@ -94,17 +94,41 @@ def test_decode_matches_full_forward(generator):
     assert_decode_matches_full_forward(generator, generator.encode(PROMPTS[0])[1][0], 24)
 
 
+@pytest.fixture(scope="module")
+def chunked(generator):
+    """chunked(n) -> the test model with prefill_chunk=n (weights and tokenizer shared)."""
+    made: dict[int, Generator] = {}
+
+    def make(chunk: int) -> Generator:
+        if chunk not in made:
+            made[chunk] = Generator(model=generator.model, tokenizer=generator.tokenizer, prefill_chunk=chunk)
+        return made[chunk]
+
+    return make
+
+
 @pytest.mark.parametrize("chunk", [16, 24])  # aligned with the SSD chunk (16) and not
-def test_chunked_prefill_matches_one_shot(generator, chunk):
-    chunked = Generator(model=generator.model, tokenizer=generator.tokenizer, prefill_chunk=chunk)
+def test_chunked_prefill_matches_one_shot(generator, chunked, chunk):
     prompt = np.random.default_rng(1).integers(0, generator.cfg.vocab_size, 70).tolist()
     one_shot_logits, one_shot_token, _ = generator.prefill([prompt])
-    logits, token, cache = chunked.prefill([prompt])
-    assert generator.layout([70], 1).segment_len == 128 and chunked.layout([70], 1).segment_len == chunk
+    logits, token, cache = chunked(chunk).prefill([prompt])
+    assert generator.layout([70], 1).segment_len == 128 and chunked(chunk).layout([70], 1).segment_len == chunk
     assert int(cache.index) == bucket_length(70, chunk) > 70
     scale = np.max(np.abs(np.asarray(one_shot_logits)))
     assert np.max(np.abs(np.asarray(logits) - np.asarray(one_shot_logits))) <= 1e-5 * scale
     assert np.asarray(token).tolist() == np.asarray(one_shot_token).tolist()
+
+
+def test_chunked_batch_with_padding_only_segments_equals_each_alone(generator, chunked):
+    """A 40-token and a 3-token prompt in 16-token segments: the short row's first two segments are all padding."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, generator.cfg.vocab_size, n).tolist() for n in (40, 3)]
+    gen = chunked(16)
+    batch = gen.generate(prompts, max_new_tokens=12, stop_token_ids=())
+    assert batch[0].timing.padded_prompt_len == 48
+    assert [r.token_ids for r in batch] == [
+        generator.generate([p], max_new_tokens=12, stop_token_ids=())[0].token_ids for p in prompts
+    ]
 
 
 def test_attention_free_model_decodes_like_full_forward(hf_checkpoint):
