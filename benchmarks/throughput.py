@@ -132,8 +132,10 @@ def granite_jax_rows(ckpt: str, args: argparse.Namespace, bar) -> tuple[list[dic
 
 
 def transformers_rows(ckpt: str, args: argparse.Namespace, bar) -> list[dict[str, Any]]:
+    """transformers' greedy `generate`, timed per step by a logits processor: it runs right after each forward, so
+    the first call ends the prefill and the spacing of the later calls is the decode step."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -141,28 +143,41 @@ def transformers_rows(ckpt: str, args: argparse.Namespace, bar) -> list[dict[str
     model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
 
-    def timed_generate(ids, n: int) -> float:
-        t = time.perf_counter()
+    class StepClock(LogitsProcessor):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def timed_generate(ids, n: int) -> tuple[float, float]:
+        """(prefill seconds, decode seconds for the n - 1 tokens after the first)."""
+        clock = StepClock()
+        start = time.perf_counter()
         with torch.no_grad():
             model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                logits_processor=LogitsProcessorList([clock]),
             )
-        return time.perf_counter() - t
+        return clock.times[0] - start, clock.times[-1] - clock.times[0]
 
     rows = []
     rng = np.random.default_rng(0)
     for b in args.batch_sizes:
         timed_generate(torch.from_numpy(rng.integers(0, vocab, (b, 16))), 2)  # warm up, on a short prompt
         ids = torch.from_numpy(rng.integers(0, vocab, (b, args.prompt_len)))
-        # transformers is slow here: one timed run each (--hf-repeats), the prefill timed on its own
-        prefill = min(timed_generate(ids, 1) for _ in range(args.hf_repeats))
-        full = min(timed_generate(ids, args.new_tokens) for _ in range(args.hf_repeats))
+        runs = [timed_generate(ids, args.new_tokens) for _ in range(args.hf_repeats)]
         rows.append(
             dict(
                 impl="transformers",
                 batch=b,
-                prefill_tok_s=b * args.prompt_len / prefill,
-                decode_tok_s=b * (args.new_tokens - 1) / max(full - prefill, 1e-9),
+                prefill_tok_s=b * args.prompt_len / min(r[0] for r in runs),
+                decode_tok_s=b * (args.new_tokens - 1) / min(r[1] for r in runs),
             )
         )
         bar.update()
