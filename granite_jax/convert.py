@@ -115,8 +115,13 @@ def export_safetensors(model: Granite, out_dir: str | os.PathLike, *, dtype: str
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2 (argparse prints the usage too)
+        self.exit(2, f"granite_jax.convert: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m granite_jax.convert",
         description="Convert a Hugging Face GraniteMoeHybrid checkpoint (safetensors) into a granite-jax orbax "
         "checkpoint, with config.json and the tokenizer copied beside it. The result is written into a temporary "
