@@ -486,8 +486,8 @@ class Generator:
     def _executable(self, kind: str, key: tuple, fn, *args, model: bool = True):
         """The AOT-compiled `fn` for these argument shapes (compiled on first use; counted in `compilations`).
 
-        With `model`, fn's first two arguments are the graphdef (bound here) and the state, and the cache after them
-        is donated.
+        With `model`, fn starts with (graphdef, treedef, weights, cache, ...): graphdef and treedef are bound here,
+        the weights are passed as a flat list and the cache is donated.
         """
         full_key = (kind, *key)
         if full_key not in self._executables:
