@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from granite_jax.config import ATTENTION, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite
@@ -159,31 +158,17 @@ class BatchLayout:
 def _prefill_segment(graphdef, treedef, weights, cache: Cache, tokens, params: SamplerParams, step):
     """Forward one prompt segment (b, T) from the cache; sample from the last position's logits."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-    _, cache, hidden = model.forward(tokens, cache=cache, last_only=True, return_hidden=True)
-    logits = output_logits(model, hidden[-1][:, -1])
+    logits, cache, _ = model.forward(tokens, cache=cache, last_only=True)
+    logits = logits[:, -1].astype(jnp.float32)
     return logits, sample_tokens(logits, params, step), cache
 
 
 def _decode_step(graphdef, treedef, weights, cache: Cache, tokens, params: SamplerParams, step):
     """Forward one token per row (b,) and sample the next ones."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
-    _, cache, hidden = model.forward(tokens[:, None], cache=cache, return_hidden=True)
-    logits = output_logits(model, hidden[-1][:, -1])
+    logits, cache, _ = model.forward(tokens[:, None], cache=cache)
+    logits = logits[:, 0].astype(jnp.float32)
     return logits, sample_tokens(logits, params, step), cache
-
-
-def output_logits(model: Granite, x: jax.Array) -> jax.Array:
-    """float32 logits (b, V) of last-layer outputs x (b, H): the model's final norm and head, with the tied head
-    contracted in the embedding's own (V, H) layout. `x @ embedding.T` (what `Embed.attend` computes) makes XLA:CPU
-    copy the whole transposed embedding on every decode step; the model's own logits are then dead code, removed."""
-    x = model.norm(x)
-    if model.lm_head is None:
-        embedding = model.embed_tokens.embedding[...]
-        x = x.astype(jnp.promote_types(x.dtype, embedding.dtype))
-        logits = lax.dot_general(embedding.astype(x.dtype), x, (((1,), (1,)), ((), ()))).T  # (V, b) -> (b, V)
-    else:
-        logits = model.lm_head(x)
-    return (logits / model.cfg.logits_scaling).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- text and stops

@@ -40,7 +40,7 @@ class MambaState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVState:
-    k: Array  # (b, S, kv_heads, head_dim)
+    k: Array  # (b, kv_heads, S, head_dim): head-major, so attention reads each head's keys contiguously
     v: Array
 
 
@@ -62,7 +62,7 @@ class Cache:
                 ssm_shape = (batch, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
                 layers.append(MambaState(conv, jnp.zeros(ssm_shape, jnp.float32)))
             else:
-                kv_shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+                kv_shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
                 layers.append(KVState(jnp.zeros(kv_shape, dtype), jnp.zeros(kv_shape, dtype)))
         pad = jnp.zeros((batch,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
         return cls(tuple(layers), pad, jnp.zeros((), jnp.int32))
@@ -71,15 +71,14 @@ class Cache:
     def max_len(self) -> int | None:
         """KV slots per row; None for a model without attention layers (its state does not grow)."""
         kv = [s for s in self.layers if isinstance(s, KVState)]
-        return kv[0].k.shape[1] if kv else None
+        return kv[0].k.shape[2] if kv else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Positions:
-    """Where the current tokens sit: slots of queries and keys, and which of them are real (not padding)."""
+    """Where the current tokens sit: their slots, and how many padding slots open each row."""
 
     query_slots: Array  # (T,) slot of each current token
-    key_slots: Array  # (S,) slot of each attended key: the segment itself, or the whole KV cache
     pad: Array  # (b,)
 
     @property
@@ -90,9 +89,9 @@ class Positions:
     def positions(self) -> Array:  # (b, T) position of each token in its own sequence (RoPE)
         return jnp.maximum(self.query_slots[None, :] - self.pad[:, None], 0)
 
-    def attention_mask(self) -> Array:  # (b, T, S): causal, and no padding keys
-        causal = self.key_slots[None, :] <= self.query_slots[:, None]
-        return causal[None] & (self.key_slots[None, None, :] >= self.pad[:, None, None])
+    def attention_mask(self, key_slots: Array) -> Array:  # (b, T, S): causal, and no padding keys
+        causal = key_slots[None, :] <= self.query_slots[:, None]
+        return causal[None] & (key_slots[None, None, :] >= self.pad[:, None, None])
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -224,24 +223,66 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, T, _ = x.shape
         kv, rep, hd = cfg.num_key_value_heads, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
-        q = self.q_proj(x).reshape(b, T, kv * rep, hd)
+        q = self.q_proj(x).reshape(b, T, kv, rep, hd)
         k = self.k_proj(x).reshape(b, T, kv, hd)
         v = self.v_proj(x).reshape(b, T, kv, hd)
         if cfg.rope_theta is not None:
-            q, k = rope(q, pos.positions, cfg.rope_theta), rope(k, pos.positions, cfg.rope_theta)
-        if state is not None:
-            start = (0, pos.query_slots[0], 0, 0)
+            q = rope(q.reshape(b, T, kv * rep, hd), pos.positions, cfg.rope_theta).reshape(q.shape)
+            k = rope(k, pos.positions, cfg.rope_theta)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (b, kv, T, hd)
+        if state is None:
+            out = attend(q, k, v, pos.attention_mask(pos.query_slots), cfg.attention_multiplier)
+        else:
+            start = (0, 0, pos.query_slots[0], 0)
             state = KVState(
                 lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
                 lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
             )
-            k, v = state.k.astype(x.dtype), state.v.astype(x.dtype)
-        q = q.reshape(b, T, kv, rep, hd)
-        scores = jnp.einsum("btkrd,bskd->bkrts", q, k).astype(jnp.float32) * cfg.attention_multiplier
-        scores = jnp.where(pos.attention_mask()[:, None, None], scores, _MASKED)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkrts,bskd->btkrd", probs, v).reshape(b, T, kv * rep * hd)
-        return self.o_proj(out), state
+            out = attend_cache(q, state, pos, cfg.attention_multiplier)
+        return self.o_proj(out.reshape(b, T, kv * rep * hd)), state
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    """Softmax attention. q (b, T, kv, rep, hd), k and v (b, kv, S, hd), mask (b, T, S) -> (b, T, kv, rep, hd)."""
+    scores = jnp.einsum("btkrd,bksd->bkrts", q, k).astype(jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkrts,bksd->btkrd", probs, v)
+
+
+def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: int = 512) -> Array:
+    """`attend` over the filled cache slots [0, last query slot] only, `block` keys at a time.
+
+    The online softmax of flash attention (Dao et al. 2022, Alg. 1): a running max m, normalizer and output acc per
+    query, rescaled by exp(m_old - m_new) as each block arrives. Time and memory grow with the filled slots, not with
+    the preallocated cache. A last block that would run past the cache is shifted back and its already-seen slots
+    masked, so any cache length works.
+    """
+    S = cache.k.shape[2]
+    block = min(block, S)
+    b, T, kv, rep, hd = q.shape
+
+    def step(j, carry):
+        m, norm, acc = carry
+        first = j * block
+        start = jnp.minimum(first, S - block)
+        k, v = (lax.dynamic_slice_in_dim(t, start, block, axis=2).astype(q.dtype) for t in (cache.k, cache.v))
+        slots = start + jnp.arange(block, dtype=jnp.int32)
+        mask = pos.attention_mask(slots) & (slots >= first)[None, None, :]
+        scores = jnp.einsum("btkrd,bksd->bkrts", q, k).astype(jnp.float32) * scale
+        scores = jnp.where(mask[:, None, None], scores, _MASKED)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[..., None])
+        rescale = jnp.exp(m - m_new)
+        norm = norm * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + jnp.einsum("bkrts,bksd->bkrtd", p.astype(v.dtype), v).astype(jnp.float32)
+        return m_new, norm, acc
+
+    m = jnp.full((b, kv, rep, T), _MASKED, jnp.float32)
+    init = (m, jnp.zeros_like(m), jnp.zeros((b, kv, rep, T, hd), jnp.float32))
+    n_blocks = pos.query_slots[-1] // block + 1
+    _, norm, acc = lax.fori_loop(0, n_blocks, step, init)
+    return (acc / norm[..., None]).astype(q.dtype).transpose(0, 3, 1, 2, 4)
 
 
 # ---------------------------------------------------------------------------------------------- feed-forward
@@ -402,12 +443,10 @@ class Granite(nnx.Module):
         """
         b, T = tokens.shape
         if cache is not None:
-            query_slots = cache.index + jnp.arange(T, dtype=jnp.int32)
-            key_slots = query_slots if cache.max_len is None else jnp.arange(cache.max_len, dtype=jnp.int32)
-            pos = Positions(query_slots, key_slots, cache.pad)
+            pos = Positions(cache.index + jnp.arange(T, dtype=jnp.int32), cache.pad)
         else:
-            slots = jnp.arange(T, dtype=jnp.int32)
-            pos = Positions(slots, slots, jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32))
+            pad = jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
+            pos = Positions(jnp.arange(T, dtype=jnp.int32), pad)
         x = self.embed_tokens(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         hidden, states = [], []
         for i, layer in enumerate(self.layers):
@@ -415,11 +454,22 @@ class Granite(nnx.Module):
             states.append(state)
             if return_hidden:
                 hidden.append(x)
-        x = self.norm(x[:, -1:] if last_only else x)
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        logits = logits / self.cfg.logits_scaling
+        logits = self.head(x[:, -1:] if last_only else x)
         new_cache = None if cache is None else Cache(tuple(states), cache.pad, cache.index + T)
         return logits, new_cache, tuple(hidden)
+
+    def head(self, x: Array) -> Array:
+        """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""
+        x = self.norm(x)
+        if self.lm_head is None:
+            # Tied: contract in the embedding's own (V, H) layout. `x @ embedding.T` (Embed.attend) makes XLA:CPU
+            # copy the whole transposed embedding on every call, which costs more than the product in decoding.
+            embedding = self.embed_tokens.embedding[...].astype(self.dtype)
+            flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
+            logits = lax.dot_general(embedding, flat, (((1,), (1,)), ((), ()))).T.reshape(*x.shape[:-1], -1)
+        else:
+            logits = self.lm_head(x)
+        return logits / self.cfg.logits_scaling
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Granite:

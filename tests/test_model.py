@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from granite_jax.model import Cache, abstract_model, count_params, with_ssd_impl
+from granite_jax.model import Cache, KVState, Positions, abstract_model, attend_cache, count_params, with_ssd_impl
 from granite_jax.params import load_model
 from granite_jax.presets import released_config
 
@@ -154,6 +154,36 @@ def test_cached_segments_equal_one_forward(pairs):
     for row in range(2):
         assert rel_err(stepped[row, pad[row] :], full[row, pad[row] :]) <= RTOL
     assert cache.layers[0].ssm.dtype == jnp.float32
+
+
+def _attention_float64(q, k, v, query_slots, pad, scale):
+    """Masked softmax attention in float64 numpy: q (b, T, kv, rep, hd), k/v (b, kv, S, hd)."""
+    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
+    slots = np.arange(k.shape[2])
+    mask = (slots[None, None, :] <= query_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
+    scores = np.einsum("btkrd,bksd->bkrts", q, k) * scale
+    scores = np.where(mask[:, None, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # padding queries see no key at all: NaN rows, never compared
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bkrts,bksd->btkrd", probs, v)
+
+
+@pytest.mark.parametrize("start, T", [(0, 5), (33, 1), (90, 7), (99, 1)])
+def test_blocked_cache_attention_equals_float64(start, T):
+    # 100 slots in blocks of 16: the last block is shifted back and overlaps the one before it; row 1's padding
+    # (37 slots) fills more than two whole blocks, so its first blocks are entirely masked.
+    rng = np.random.default_rng(start)
+    b, kv, rep, hd, S = 2, 2, 3, 8, 100
+    q = rng.standard_normal((b, T, kv, rep, hd), dtype=np.float32)
+    k, v = (rng.standard_normal((b, kv, S, hd), dtype=np.float32) for _ in range(2))
+    pad = np.array([0, 37 if start >= 37 else 2])
+    query_slots = start + np.arange(T)
+    pos = Positions(jnp.asarray(query_slots, jnp.int32), jnp.asarray(pad, jnp.int32))
+    got = attend_cache(jnp.asarray(q), KVState(jnp.asarray(k), jnp.asarray(v)), pos, 0.3, block=16)
+    want = _attention_float64(q, k, v, query_slots, pad, 0.3)
+    real = query_slots[None, :] >= pad[:, None]  # padding queries' outputs are unused
+    np.testing.assert_allclose(np.asarray(got)[real], want[real], rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):

@@ -92,7 +92,7 @@ def time_layer(model: Granite, index: int, x, rewritten: bool, repeats: int, war
 
     def layer_forward(layer, x):
         slots = jnp.arange(x.shape[1], dtype=jnp.int32)
-        return layer(x, Positions(slots, slots, jnp.zeros((x.shape[0],), jnp.int32)), None)[0]
+        return layer(x, Positions(slots, jnp.zeros((x.shape[0],), jnp.int32)), None)[0]
 
     layer = model.layers[index]
     compiled = jax.jit(maybe_rewritten(layer_forward, rewritten)).lower(layer, x).compile()
