@@ -33,7 +33,7 @@ from granite_jax.params import CheckpointError, load_config
 MARKER = "granite_jax_checkpoint.json"
 STATE_DIR = "state"
 FORMAT = "granite-jax-orbax"
-VERSION = 1
+VERSION = 2  # 2: linear weights stored (out, in)
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt", ".h5")
 
 
@@ -59,8 +59,13 @@ def read_marker(model_dir: str | os.PathLike) -> dict[str, Any]:
             marker = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable completion marker ({e})") from None
-    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
-        raise CheckpointError(f"{path}: not a granite-jax orbax checkpoint of version {VERSION}")
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a granite-jax orbax checkpoint (format {marker.get('format')!r})")
+    if marker.get("version") != VERSION:
+        raise CheckpointError(
+            f"{path}: granite-jax orbax checkpoint version {marker.get('version')!r}, this granite-jax reads version "
+            f"{VERSION}; convert the Hugging Face checkpoint again with `python -m granite_jax.convert`"
+        )
     if not os.path.isdir(os.path.join(d, STATE_DIR)):
         raise CheckpointError(f"{d}: the marker is there but {STATE_DIR}/ is missing")
     return marker

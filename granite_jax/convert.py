@@ -25,7 +25,7 @@ from flax import nnx
 from granite_jax.checkpoint import check_writable, is_orbax_checkpoint, save_checkpoint
 from granite_jax.config import ConfigError
 from granite_jax.model import Granite
-from granite_jax.params import CONV, EXPERTS, KEEP, LINEAR, NAME_MAP, CheckpointError, Transform, load_model, map_name
+from granite_jax.params import CONV, EXPERTS, KEEP, NAME_MAP, CheckpointError, Transform, load_model, map_name
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -59,7 +59,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
 # ---------------------------------------------------------------------------------------------- export
 
 
-_UNDO = {id(KEEP): lambda w: w, id(LINEAR): lambda w: w.T, id(EXPERTS): lambda w: w.transpose(0, 2, 1)}
+_UNDO = {id(KEEP): lambda w: w, id(EXPERTS): lambda w: w.transpose(0, 2, 1)}
 _UNDO[id(CONV)] = lambda w: w.T[:, None, :]  # [K, C] -> depthwise Conv1d [C, 1, K]
 
 

@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoint -> Flax NNX state.
 
-A table maps every checkpoint name to a path in the NNX state and a transform (torch Linear weights are [out, in],
-Flax kernels [in, out]); each tensor's shape is checked against the abstract model before it is placed. Tensors are
-read one at a time and cast to the requested dtype, so peak host memory stays near one copy of the model.
-Only safetensors are read: pickled `.bin`/`.pt` checkpoints are refused, never unpickled.
+A table maps every checkpoint name to a path in the NNX state and a transform (linear weights keep torch's
+[out, in] layout, see `model.Linear`; expert weights and the conv are rearranged); each tensor's shape is checked
+against the abstract model before it is placed. Tensors are read one at a time and cast to the requested dtype, so
+peak host memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are
+refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class Transform:
 
 
 KEEP = Transform(lambda w: w, lambda s: s)
-LINEAR = Transform(lambda w: w.T, lambda s: s[::-1])  # torch Linear [out, in] -> Flax kernel [in, out]
 EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
 CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
 
@@ -48,17 +48,17 @@ _L = r"model\.layers\.(\d+)\."
 NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
     (r"model\.embed_tokens\.weight", "embed_tokens.embedding", KEEP),
     (r"model\.norm\.weight", "norm.weight", KEEP),
-    (r"lm_head\.weight", "lm_head.kernel", LINEAR),
+    (r"lm_head\.weight", "lm_head.weight", KEEP),
     (_L + r"(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", KEEP),
-    (_L + r"mamba\.(in_proj|out_proj)\.weight", r"layers.\1.mamba.\2.kernel", LINEAR),
+    (_L + r"mamba\.(in_proj|out_proj)\.weight", r"layers.\1.mamba.\2.weight", KEEP),
     (_L + r"mamba\.conv1d\.weight", r"layers.\1.mamba.conv_weight", CONV),
     (_L + r"mamba\.conv1d\.bias", r"layers.\1.mamba.conv_bias", KEEP),
     (_L + r"mamba\.(dt_bias|A_log|D)", r"layers.\1.mamba.\2", KEEP),
     (_L + r"mamba\.norm\.weight", r"layers.\1.mamba.norm.weight", KEEP),
-    (_L + r"self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.kernel", LINEAR),
-    (_L + r"block_sparse_moe\.router\.layer\.weight", r"layers.\1.block_sparse_moe.router.kernel", LINEAR),
+    (_L + r"self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.weight", KEEP),
+    (_L + r"block_sparse_moe\.router\.layer\.weight", r"layers.\1.block_sparse_moe.router.weight", KEEP),
     (_L + r"block_sparse_moe\.(input|output)_linear\.weight", r"layers.\1.block_sparse_moe.\2_linear", EXPERTS),
-    (_L + r"shared_mlp\.(input|output)_linear\.weight", r"layers.\1.shared_mlp.\2_linear.kernel", LINEAR),
+    (_L + r"shared_mlp\.(input|output)_linear\.weight", r"layers.\1.shared_mlp.\2_linear.weight", KEEP),
 )
 
 
@@ -174,7 +174,7 @@ def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: boo
         bar.update()
     bar.close()
     missing = sorted(set(expected) - set(values))
-    if missing == ["lm_head.kernel"]:
+    if missing == ["lm_head.weight"]:
         raise CheckpointError(
             f"{files[0]}: no lm_head.weight but config has tie_word_embeddings=false; "
             "set tie_word_embeddings=true or add the head"

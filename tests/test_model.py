@@ -190,7 +190,7 @@ def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):
     ids = jnp.asarray(np.random.default_rng(5).integers(0, 300, (2, 40)))
     f32 = np.asarray(_logits(load_model(tiny_checkpoint), ids, jnp.zeros(2, jnp.int32)))
     model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
-    assert model.layers[0].mamba.in_proj.kernel[...].dtype == jnp.bfloat16
+    assert model.layers[0].mamba.in_proj.weight[...].dtype == jnp.bfloat16
     prefill = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
     logits, cache = prefill(model, ids, Cache.init(model.cfg, 2, 48, jnp.bfloat16))
     assert logits.dtype == jnp.bfloat16 and cache.layers[0].ssm.dtype == jnp.float32
