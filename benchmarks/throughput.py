@@ -79,20 +79,27 @@ def random_checkpoint(args: argparse.Namespace) -> str:
 
 
 def memory_bandwidth(repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth in GB/s over 1 GiB of float32, best of a few runs: a numpy sum, an XLA sum and an XLA
-    matrix-vector product (the decode step's own access pattern; XLA spreads it over all cores)."""
+    """Read bandwidth in GB/s over 1 GiB of float32, best of a few runs: a numpy sum, an XLA sum, a numpy
+    matrix-vector product (BLAS, all cores) and XLA matrix-vector products with the matrix in both layouts, (out, in)
+    being the decode step's own access pattern (`model.Linear`); XLA spreads them over all cores."""
     import jax
     import jax.numpy as jnp
 
     host = np.ones(GIB // 4, np.float32)
     flat = jnp.ones(GIB // 4, jnp.float32)
-    matrix = jnp.ones((8192, GIB // 4 // 8192), jnp.float32)
+    host_rows = host.reshape(-1, 8192)
+    host_vector = np.ones(8192, np.float32)
+    matrix = jnp.ones((8192, GIB // 4 // 8192), jnp.float32)  # (in, out)
+    rows = jnp.ones((GIB // 4 // 8192, 8192), jnp.float32)  # (out, in)
     vector = jnp.ones((1, 8192), jnp.float32)
     total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    matvec_rows = jax.jit(lambda v, w: jax.lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
     runs = {
         "numpy_sum": lambda: host.sum(),
+        "numpy_matvec": lambda: host_rows @ host_vector,
         "xla_sum": lambda: total(flat).block_until_ready(),
         "xla_matvec": lambda: matvec(vector, matrix).block_until_ready(),
+        "xla_matvec_rows": lambda: matvec_rows(vector, rows).block_until_ready(),
     }
     best = dict.fromkeys(runs, math.inf)
     for run in runs.values():  # warm up (compile, page in)
