@@ -39,7 +39,7 @@ def ssd(
 ) -> tuple[Array, Array]:
     """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32."""
     if impl == "xla":
-        return ssd_chunked(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+        return ssd_chunked(x, dt, A, B, C, D, chunk_size=xla_chunk_size(chunk_size), initial_state=initial_state)
     if impl == "naive":
         return ssd_chunked_naive(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
     if impl == "pallas":
@@ -47,6 +47,19 @@ def ssd(
 
         return ssd_prefill(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
     raise ValueError(f"ssd impl: unknown implementation {impl!r}; expected 'xla', 'naive' or 'pallas'")
+
+
+CPU_CHUNK = 64
+
+
+def xla_chunk_size(chunk_size: int) -> int:
+    """The chunk the "xla" path runs with: the model's, except at most `CPU_CHUNK` on CPU.
+
+    The chunk only sets where the quadratic intra-chunk form hands over to the state recurrence; the result is the
+    same up to rounding. The intra-chunk work (decay mask, C.B scores) grows as L * chunk, and on XLA:CPU 64-token
+    chunks run a 512-token h-350m Mamba layer's SSD ~2.8x faster than 256-token ones (38 vs 108 ms).
+    """
+    return min(chunk_size, CPU_CHUNK) if jax.default_backend() == "cpu" else chunk_size
 
 
 # ---------------------------------------------------------------------------------------------- the recurrence
