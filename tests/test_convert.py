@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -91,6 +92,16 @@ def test_incomplete_checkpoint_refused(orbax_checkpoint, tmp_path, where):
     shutil.copytree(orbax_checkpoint, target)
     os.remove(target / checkpoint.MARKER)
     with pytest.raises(CheckpointError, match="incomplete orbax checkpoint"):
+        load_model(target)
+
+
+def test_checkpoint_of_an_older_format_version_refused(orbax_checkpoint, tmp_path):
+    # Version 1 stored linear weights (in, out); reading it as version 2 would silently transpose every projection.
+    target = tmp_path / "old"
+    shutil.copytree(orbax_checkpoint, target)
+    marker = json.loads((target / checkpoint.MARKER).read_text())
+    (target / checkpoint.MARKER).write_text(json.dumps({**marker, "version": 1}))
+    with pytest.raises(CheckpointError, match="version 1, this granite-jax reads version 2; convert .* again"):
         load_model(target)
 
 
