@@ -4,27 +4,23 @@
     python benchmarks/throughput.py --layers 4 --new-tokens 8 --prompt-len 64   # a quick look
 
 Builds (once, cached in --work-dir) a random-weight checkpoint of a released shape with transformers, then measures in
-one run: the memory bandwidth (best of a few streaming reductions over a 1 GiB array, numpy and XLA), granite-jax's
-`Generator.measure` (greedy, EOS ignored, compilation excluded) and transformers' `generate` (greedy, EOS ignored),
-each at every batch size. Prefill tokens/s = batch * prompt_len / time to first token; decode tokens/s = batch *
-(new_tokens - 1) / time for the remaining tokens. The batch-1 decode floor is parameter bytes / bandwidth: one decode
-step has to read every weight once (the tied embedding once, as the output head).
+one run: the memory bandwidth and batch-1 decode floor (`granite_jax.experiments.throughput.memory_bandwidth`), and
+`granite_jax.compare.speed` at every batch size: granite-jax through `Generator.measure` (greedy, EOS ignored,
+compilation excluded) and transformers' `generate` with per-token timestamps. The same measurement as
+`python -m granite_jax.compare` and the throughput experiment; this script adds the cached checkpoint and the table.
+Prefill tokens/s = batch * prompt_len / time to first token; decode tokens/s = batch * (new_tokens - 1) / time for
+the remaining tokens. The floor is parameter bytes / bandwidth: one decode step reads every weight once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from typing import Any
 
-import numpy as np
 from tqdm.auto import tqdm
-
-GIB = 1 << 30
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,8 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=17, help="generated tokens per sequence (the first is prefill's)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
-    p.add_argument("--repeats", type=int, default=2, help="granite-jax timed runs per measurement (best kept)")
-    p.add_argument("--hf-repeats", type=int, default=1, help="transformers timed runs per measurement (best kept)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, after a warm-up (best kept)")
     p.add_argument("--skip-transformers", action="store_true", help="measure granite-jax only")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
@@ -78,117 +73,27 @@ def random_checkpoint(args: argparse.Namespace) -> str:
     return out
 
 
-def memory_bandwidth(repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth in GB/s over 1 GiB of float32, best of a few runs: a numpy sum, an XLA sum, a numpy
-    matrix-vector product (BLAS, all cores) and XLA matrix-vector products with the matrix in both layouts, (out, in)
-    being the decode step's own access pattern (`model.Linear`); XLA spreads them over all cores."""
-    import jax
-    import jax.numpy as jnp
+def measure(ckpt: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One row per (implementation, batch) and the floor, all measured in this process."""
+    from granite_jax import compare
+    from granite_jax.experiments.common import ModelSpec
+    from granite_jax.experiments.throughput import decode_floor, memory_bandwidth
 
-    host = np.ones(GIB // 4, np.float32)
-    flat = jnp.ones(GIB // 4, jnp.float32)
-    host_rows = host.reshape(-1, 8192)
-    host_vector = np.ones(8192, np.float32)
-    matrix = jnp.ones((8192, GIB // 4 // 8192), jnp.float32)  # (in, out)
-    rows = jnp.ones((GIB // 4 // 8192, 8192), jnp.float32)  # (out, in)
-    vector = jnp.ones((1, 8192), jnp.float32)
-    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-    matvec_rows = jax.jit(lambda v, w: jax.lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
-    runs = {
-        "numpy_sum": lambda: host.sum(),
-        "numpy_matvec": lambda: host_rows @ host_vector,
-        "xla_sum": lambda: total(flat).block_until_ready(),
-        "xla_matvec": lambda: matvec(vector, matrix).block_until_ready(),
-        "xla_matvec_rows": lambda: matvec_rows(vector, rows).block_until_ready(),
-    }
-    best = dict.fromkeys(runs, math.inf)
-    for run in runs.values():  # warm up (compile, page in)
-        run()
-    for _ in range(repeats):
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t)
-    return {k: GIB / v / 1e9 for k, v in best.items()}
-
-
-# ---------------------------------------------------------------------------------------------- measurements
-
-
-def granite_jax_rows(ckpt: str, args: argparse.Namespace, bar) -> tuple[list[dict[str, Any]], int]:
-    from granite_jax.generate import Generator
-    from granite_jax.model import count_params
-
-    generator = Generator(ckpt, dtype=args.dtype)
-    param_bytes = count_params(generator.model) * np.dtype(args.dtype).itemsize
+    spec = ModelSpec(checkpoint=ckpt)
+    if args.skip_transformers:
+        pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
+    else:
+        pair = compare.load_pair(spec, dtype=args.dtype)
+    floor = decode_floor(pair.jax, memory_bandwidth())
     rows = []
-    for b in args.batch_sizes:
-        warm = generator.measure(b, args.prompt_len, 2)  # compile, and touch every buffer once
-        runs = [generator.measure(b, args.prompt_len, args.new_tokens, seed=i) for i in range(args.repeats)]
-        rows.append(
-            dict(
-                impl="granite-jax",
-                batch=b,
-                prefill_tok_s=max(t.prefill_tokens_per_s for t in runs),
-                decode_tok_s=max(t.decode_tokens_per_s for t in runs),
-                compile_s=warm.compile_s,
-            )
-        )
-        bar.update()
-    return rows, param_bytes
-
-
-def transformers_rows(ckpt: str, args: argparse.Namespace, bar) -> list[dict[str, Any]]:
-    """transformers' greedy `generate`, timed per step by a logits processor: it runs right after each forward, so
-    the first call ends the prefill and the spacing of the later calls is the decode step."""
-    import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype)).eval()
-    model.generation_config.eos_token_id = None
-    vocab = model.config.vocab_size
-
-    class StepClock(LogitsProcessor):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores):
-            self.times.append(time.perf_counter())
-            return scores
-
-    def timed_generate(ids, n: int) -> tuple[float, float]:
-        """(prefill seconds, decode seconds for the n - 1 tokens after the first)."""
-        clock = StepClock()
-        start = time.perf_counter()
-        with torch.no_grad():
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                logits_processor=LogitsProcessorList([clock]),
-            )
-        return clock.times[0] - start, clock.times[-1] - clock.times[0]
-
-    rows = []
-    rng = np.random.default_rng(0)
-    for b in args.batch_sizes:
-        timed_generate(torch.from_numpy(rng.integers(0, vocab, (b, 16))), 2)  # warm up, on a short prompt
-        ids = torch.from_numpy(rng.integers(0, vocab, (b, args.prompt_len)))
-        runs = [timed_generate(ids, args.new_tokens) for _ in range(args.hf_repeats)]
-        rows.append(
-            dict(
-                impl="transformers",
-                batch=b,
-                prefill_tok_s=b * args.prompt_len / min(r[0] for r in runs),
-                decode_tok_s=b * (args.new_tokens - 1) / min(r[1] for r in runs),
-            )
-        )
-        bar.update()
-    return rows
+    for batch in tqdm(args.batch_sizes, desc="benchmark", unit="batch", file=sys.stderr):
+        (s,) = compare.speed(pair, (batch,), args.prompt_len, args.new_tokens, args.repeats)
+        for impl, key in (("granite-jax", "jax"), ("transformers", "hf")):
+            if key in s:
+                t = s[key]
+                row = dict(impl=impl, batch=batch, prefill_tok_s=t["prefill_tokens_per_s"])
+                rows.append(row | dict(decode_tok_s=t["decode_tokens_per_s"], compile_s=t.get("compile_s")))
+    return sorted(rows, key=lambda r: (r["impl"] != "granite-jax", r["batch"])), floor
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -214,32 +119,19 @@ def main(argv=None) -> int:
     import jax
 
     ckpt = args.checkpoint or random_checkpoint(args)
-    stages = len(args.batch_sizes) * (1 if args.skip_transformers else 2) + 1
-    with tqdm(total=stages, desc="benchmark", unit="stage", file=sys.stderr) as bar:
-        bandwidth = memory_bandwidth()
-        bar.update()
-        rows, param_bytes = granite_jax_rows(ckpt, args, bar)
-        if not args.skip_transformers:
-            rows += transformers_rows(ckpt, args, bar)
-    gbs = max(bandwidth.values())
-    floor_tok_s = gbs * 1e9 / param_bytes
+    rows, floor = measure(ckpt, args)
+    bandwidth, floor_tok_s = floor["bandwidth_gb_s"], floor["decode_floor_tok_s"]
     header = (
-        f"checkpoint: {ckpt} ({param_bytes / 1e9:.2f} GB of {args.dtype} parameters); prompt {args.prompt_len} tokens, "
-        f"{args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
-        f"memory bandwidth: {gbs:.2f} GB/s (best of " + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items()) + "); "
-        f"batch-1 decode floor (parameter bytes / bandwidth): {floor_tok_s:.2f} tok/s"
+        f"checkpoint: {ckpt} ({floor['param_bytes'] / 1e9:.2f} GB of {args.dtype} parameters); prompt "
+        f"{args.prompt_len} tokens, {args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
+        f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
+        + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
+        + f"); batch-1 decode floor (parameter bytes / bandwidth): {floor_tok_s:.2f} tok/s"
     )
     print(header)
     print(table(rows, floor_tok_s))
     if args.json:
-        doc = dict(
-            checkpoint=ckpt,
-            args={k: v for k, v in vars(args).items() if k != "json"},
-            param_bytes=param_bytes,
-            bandwidth_gb_s=bandwidth,
-            decode_floor_tok_s=floor_tok_s,
-            rows=rows,
-        )
+        doc = dict(checkpoint=ckpt, args={k: v for k, v in vars(args).items() if k != "json"}, **floor, rows=rows)
         text = json.dumps(doc, indent=2)
         if args.json == "-":
             print(text)

@@ -119,9 +119,14 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     config.measure.transformers = False
     out = experiment.run(config)
     with open(os.path.join(out, "results.json")) as f:
-        rows = json.load(f)["rows"]
+        results = json.load(f)
+    rows, summary = results["rows"], results["summary"]
     assert [r["batch"] for r in rows] == [2] and rows[0]["jax_decode_tok_s"] > 0 and "hf_decode_tok_s" not in rows[0]
     assert open(os.path.join(out, "throughput.png"), "rb").read(8) == PNG
+    # The floor: float32 parameters of the tiny model, read once per token at the best probe's bandwidth.
+    assert summary["param_bytes"] == 4 * results["model"]["num_params"]
+    best = max(summary["bandwidth_gb_s"].values())
+    assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["param_bytes"])
 
 
 def test_bad_workload_values_rejected(tmp_path):

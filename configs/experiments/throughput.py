@@ -16,10 +16,12 @@ def get_config(arg=None):
     c.workload.batch_sizes = (1, 8)  # one row per batch size (workload.batch is used when this is empty)
     c.measure.repeats = 2
     c.measure.transformers = True  # also time transformers on the same weights (its CPU reference path)
+    c.measure.floor_probe_mib = 1024  # bandwidth probe size for the batch-1 decode floor (0: no probe)
     if arg == "quick":
         c.model.name = "tiny"
         c.workload.seq_len = 16
         c.workload.new_tokens = 4
         c.workload.batch_sizes = (2,)
         c.measure.repeats = 1
+        c.measure.floor_probe_mib = 16
     return c

@@ -4,12 +4,21 @@ For each batch size, greedy generation of exactly `workload.new_tokens` tokens f
 `workload.seq_len` tokens; the measurement is `granite_jax.compare.speed` (the one `python -m granite_jax.compare`
 prints): granite-jax through `Generator.measure` (compilation excluded and reported apart), transformers through
 `model.generate` with per-token timestamps. Best of `measure.repeats` runs after a warm-up.
+
+With `measure.floor_probe_mib` > 0 it also measures the memory bandwidth (`memory_bandwidth`) and reports the
+batch-1 decode floor: one decode step reads every parameter once, so tokens/s <= bandwidth / parameter bytes.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from granite_jax import compare
@@ -39,23 +48,77 @@ def run(config) -> Result:
         pair = compare.load_pair(spec, dtype=w.dtype, ssd_impl=w.ssd_impl)
     else:
         pair = compare.Pair(spec.load(dtype=w.dtype, ssd_impl=w.ssd_impl), None, w.dtype, spec.describe())
+    bandwidth = memory_bandwidth(m.floor_probe_mib << 20) if m.floor_probe_mib > 0 else None
     speeds = []
     for batch in (bar := tqdm(batch_sizes, desc="throughput", unit="batch")):
         bar.set_postfix_str(f"batch {batch}")
         speeds += compare.speed(pair, (batch,), w.seq_len, w.new_tokens, m.repeats)
     rows = [flat_row(s) for s in speeds]
+    summary = summarize(rows)
+    if bandwidth is not None:
+        floor = decode_floor(pair.jax, bandwidth)
+        summary |= floor
+        for row in rows:
+            if row["batch"] == 1:
+                row["jax_decode_vs_floor"] = row["jax_decode_tok_s"] / floor["decode_floor_tok_s"]
     return Result(
         title=f"Throughput: prefill and decode tokens/s ({w.dtype}, prompt {w.seq_len}, {w.new_tokens} new tokens)",
         rows=rows,
-        summary=summarize(rows),
+        summary=summary,
         notes=[
             "prefill: prompt in, first token on the host; decode: the remaining tokens of every row over the "
             "remaining time. Best of measure.repeats runs after a warm-up; granite-jax compilation excluded "
             "(jax_compile_s).",
             "speedup = granite-jax tokens/s / transformers tokens/s.",
+            "decode floor (batch 1) = memory bandwidth / parameter bytes; bandwidth = the fastest of the probes in "
+            "`bandwidth_gb_s` (summary), measured in the same run.",
         ],
         plots={"throughput.png": lambda path: plot(speeds, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
+    )
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Read bandwidth in GB/s over `nbytes` of float32, best of `repeats` runs of each probe: a numpy sum, a numpy
+    (BLAS) matrix-vector product, an XLA sum, and XLA matrix-vector products with the matrix (in, out) and (out, in),
+    the latter being the decode step's own access pattern (`model.Linear`). Each spreads over all cores if it can."""
+    cols = 8192
+    rows = max(nbytes // 4 // cols, 1)
+    nbytes = rows * cols * 4
+    host = np.ones((rows, cols), np.float32)
+    host_vector = np.ones(cols, np.float32)
+    flat = jnp.ones(rows * cols, jnp.float32)
+    in_out = jnp.ones((cols, rows), jnp.float32)
+    out_in = jnp.ones((rows, cols), jnp.float32)
+    vector = jnp.ones((1, cols), jnp.float32)
+    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+    matvec_rows = jax.jit(lambda v, w: jax.lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
+    probes = {
+        "numpy_sum": lambda: host.sum(),
+        "numpy_matvec": lambda: host @ host_vector,
+        "xla_sum": lambda: total(flat).block_until_ready(),
+        "xla_matvec": lambda: matvec(vector, in_out).block_until_ready(),
+        "xla_matvec_rows": lambda: matvec_rows(vector, out_in).block_until_ready(),
+    }
+    best = dict.fromkeys(probes, math.inf)
+    for probe in probes.values():  # warm up: compile, page in
+        probe()
+    for _ in range(repeats):
+        for name, probe in probes.items():
+            t = time.perf_counter()
+            probe()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
+
+
+def decode_floor(model, bandwidth: dict[str, float]) -> dict[str, Any]:
+    """The batch-1 decode bound: every parameter is read once per token, at the best bandwidth measured."""
+    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    best = max(bandwidth.values())
+    return dict(
+        param_bytes=int(param_bytes),
+        bandwidth_gb_s=bandwidth,
+        decode_floor_tok_s=best * 1e9 / param_bytes,
     )
 
 
