@@ -386,13 +386,17 @@ def _expert_blocks(
     num_blocks = -(-M // block) + min(E, M)
     padded = jnp.zeros((num_blocks * block, rows.shape[1]), rows.dtype).at[dest].set(rows)
     block_experts = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
+    used_blocks = padded_ends[-1] // block
 
-    def run_block(b, out):
+    def compute(b, out):
         x = lax.dynamic_slice_in_dim(padded, b * block, block)
         y = act(x @ w_in[block_experts[b]]) @ w_out[block_experts[b]]
         return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
 
-    # A static trip count (a scan, so the model stays reverse-differentiable); unused trailing blocks are all zeros.
+    def run_block(b, out):  # trailing blocks past the last expert's group are padding: skipped, left zero
+        return lax.cond(b < used_blocks, compute, lambda b, out: out, b, out)
+
+    # A static trip count (a scan, so the model stays reverse-differentiable), with the work of unused blocks skipped.
     out = lax.fori_loop(0, num_blocks, run_block, jnp.zeros_like(padded))
     return out[dest]
 

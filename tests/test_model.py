@@ -212,3 +212,30 @@ def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):
 def test_released_configs_build_abstractly_with_published_sizes(name, billions, tol):
     model = abstract_model(released_config(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     assert count_params(model) / 1e9 == pytest.approx(billions, abs=tol)
+
+
+def test_moe_routes_agree_in_value_and_gradient():
+    # 40 tokens x top-2 = 80 rows: the grouped route (expert-aligned blocks on CPU). The gathered route reads each
+    # token's experts directly; both must give the same outputs and input gradients (the model stays trainable).
+    from flax import nnx
+
+    from granite_jax.config import ModelConfig
+    from granite_jax.model import MoE
+    from granite_jax.testing import TINY_CONFIG
+
+    cfg = ModelConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=320, model_type="granitemoehybrid"))
+    moe = MoE(cfg, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((40, cfg.hidden_size)), jnp.float32)
+
+    def route(method):
+        def loss(x):
+            logits = moe.router(x).astype(jnp.float32)
+            top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
+            y = method(x, experts, jax.nn.softmax(top, axis=-1))
+            return jnp.sum(y * jnp.cos(y)), y
+
+        return jax.value_and_grad(loss, has_aux=True)(x)
+
+    (_, grouped), grad_grouped = route(moe._grouped)
+    (_, gathered), grad_gathered = route(moe._gathered)
+    assert rel_err(grouped, gathered) <= RTOL and rel_err(grad_grouped, grad_gathered) <= RTOL

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from granite_jax.ssd import ssd, ssd_reference, ssd_step
+from granite_jax.ssd import ssd, ssd_chunked, ssd_reference, ssd_step, xla_chunk_size
 
 
 def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
@@ -54,6 +54,20 @@ def test_chunked_matches_float64_recurrence(impl, shape, with_state):
     y, s = ssd(**f32, chunk_size=chunk, initial_state=None if s0 is None else jnp.asarray(s0, jnp.float32), impl=impl)
     assert y.dtype == s.dtype == jnp.float32
     assert rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
+
+
+def test_xla_path_with_the_checkpoints_256_chunk():
+    # Released configs say chunk 256; on CPU the "xla" path runs 64-token chunks. Either chunk is the same scan.
+    rng = np.random.default_rng(11)
+    inputs = random_inputs(rng, 1, 300, 4, 8, 1, 16)
+    s0 = rng.standard_normal((1, 4, 8, 16))
+    y_ref, s_ref = float64_reference(inputs, s0)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    y, s = ssd(**f32, chunk_size=256, initial_state=jnp.asarray(s0, jnp.float32), impl="xla")
+    assert rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
+    y256, _ = ssd_chunked(**f32, chunk_size=256, initial_state=jnp.asarray(s0, jnp.float32))
+    assert rel(y256, y_ref) < 2e-5
+    assert xla_chunk_size(256) == (64 if jax.default_backend() == "cpu" else 256) and xla_chunk_size(16) == 16
 
 
 @pytest.mark.parametrize("impl", ["xla", "naive"])
