@@ -3,13 +3,14 @@
     python benchmarks/throughput.py                       # granite-4.0-h-350m shape, batch 1 and 8
     python benchmarks/throughput.py --layers 4 --new-tokens 8 --prompt-len 64   # a quick look
 
-Builds (once, cached in --work-dir) a random-weight checkpoint of a released shape with transformers, then measures in
-one run: the memory bandwidth and batch-1 decode floor (`granite_jax.experiments.throughput.memory_bandwidth`), and
-`granite_jax.compare.speed` at every batch size: granite-jax through `Generator.measure` (greedy, EOS ignored,
-compilation excluded) and transformers' `generate` with per-token timestamps. The same measurement as
-`python -m granite_jax.compare` and the throughput experiment; this script adds the cached checkpoint and the table.
-Prefill tokens/s = batch * prompt_len / time to first token; decode tokens/s = batch * (new_tokens - 1) / time for
-the remaining tokens. The floor is parameter bytes / bandwidth: one decode step reads every weight once.
+Random weights of a released shape (or --checkpoint), loaded into granite-jax and transformers as `compare` does;
+then, in one run: the memory bandwidth and batch-1 decode floor
+(`granite_jax.experiments.throughput.memory_bandwidth`), and `granite_jax.compare.speed` at every batch size:
+granite-jax through `Generator.measure` (greedy, EOS ignored, compilation excluded) and transformers' `generate`
+with per-token timestamps. The same measurement as `python -m granite_jax.compare` and the throughput experiment;
+this script adds the table and the JSON. Prefill tokens/s = batch * prompt_len / time to first token; decode
+tokens/s = batch * (new_tokens - 1) / time for the remaining tokens. The floor is parameter bytes / bandwidth: one
+decode step reads every weight once.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0] + " Prints a table (and, with --json, a JSON document).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--shape", default="granite-4.0-h-350m", help="released architecture (granite_jax.presets.RELEASED)")
+    p.add_argument("--shape", default="granite-4.0-h-350m", help="random weights of this released architecture")
     p.add_argument(
-        "--layers", type=int, default=None, help="keep the first N layers, one of them attention (a quicker run)"
+        "--layers", type=int, default=None, help="with --shape: N layers, same share of attention (a quicker run)"
     )
-    p.add_argument("--checkpoint", default=None, help="use this checkpoint directory instead of a random one")
-    p.add_argument("--work-dir", default="/tmp/granite_jax_bench", help="where random checkpoints are cached")
+    p.add_argument("--checkpoint", default=None, help="use this checkpoint directory (HF or orbax) instead")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=17, help="generated tokens per sequence (the first is prefill's)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
@@ -45,41 +45,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch_sizes) < 1:
         p.error("need --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    if args.checkpoint and args.layers is not None:
+        p.error("--layers applies to random weights (--shape) only")
     return args
 
 
-# ---------------------------------------------------------------------------------------------- setup
-
-
-def random_checkpoint(args: argparse.Namespace) -> str:
-    """A random-weight checkpoint of the requested shape (built with transformers, cached by shape)."""
-    from granite_jax.presets import RELEASED
-    from granite_jax.testing import make_checkpoint
-
-    config = dict(RELEASED[args.shape])
-    name = args.shape
-    if args.layers is not None:
-        config["num_hidden_layers"] = args.layers
-        kinds = config["layer_types"][: args.layers]
-        if "attention" not in kinds:  # keep the model hybrid (transformers also fails on attention-free caches)
-            kinds[len(kinds) // 2] = "attention"
-        config["layer_types"] = kinds
-        name += f"-{args.layers}l"
-    out = os.path.join(args.work_dir, f"{name}-{args.dtype}")
-    if not os.path.isfile(os.path.join(out, "config.json")):
-        print(f"building a random {name} checkpoint in {out} ...", file=sys.stderr)
-        config.pop("model_type", None)
-        make_checkpoint(out, 0, tokenizer=False, dtype=args.dtype, **config)
-    return out
-
-
-def measure(ckpt: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per (implementation, batch) and the floor, all measured in this process."""
     from granite_jax import compare
-    from granite_jax.experiments.common import ModelSpec
     from granite_jax.experiments.throughput import decode_floor, memory_bandwidth
 
-    spec = ModelSpec(checkpoint=ckpt)
     if args.skip_transformers:
         pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
     else:
@@ -91,8 +66,14 @@ def measure(ckpt: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], 
         for impl, key in (("granite-jax", "jax"), ("transformers", "hf")):
             if key in s:
                 t = s[key]
-                row = dict(impl=impl, batch=batch, prefill_tok_s=t["prefill_tokens_per_s"])
-                rows.append(row | dict(decode_tok_s=t["decode_tokens_per_s"], compile_s=t.get("compile_s")))
+                rows.append(
+                    dict(
+                        impl=impl,
+                        batch=batch,
+                        prefill_tok_s=t["prefill_tokens_per_s"],
+                        decode_tok_s=t["decode_tokens_per_s"],
+                    )
+                )
     return sorted(rows, key=lambda r: (r["impl"] != "granite-jax", r["batch"])), floor
 
 
@@ -118,11 +99,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    ckpt = args.checkpoint or random_checkpoint(args)
-    rows, floor = measure(ckpt, args)
+    from granite_jax.experiments.common import ModelSpec
+
+    spec = ModelSpec(checkpoint=args.checkpoint, name=args.shape, num_layers=args.layers)
+    rows, floor = measure(spec, args)
     bandwidth, floor_tok_s = floor["bandwidth_gb_s"], floor["decode_floor_tok_s"]
     header = (
-        f"checkpoint: {ckpt} ({floor['param_bytes'] / 1e9:.2f} GB of {args.dtype} parameters); prompt "
+        f"model: {spec.describe()} ({floor['param_bytes'] / 1e9:.2f} GB of {args.dtype} parameters); prompt "
         f"{args.prompt_len} tokens, {args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
@@ -131,7 +114,7 @@ def main(argv=None) -> int:
     print(header)
     print(table(rows, floor_tok_s))
     if args.json:
-        doc = dict(checkpoint=ckpt, args={k: v for k, v in vars(args).items() if k != "json"}, **floor, rows=rows)
+        doc = dict(model=spec.describe(), args={k: v for k, v in vars(args).items() if k != "json"}, **floor, rows=rows)
         text = json.dumps(doc, indent=2)
         if args.json == "-":
             print(text)
