@@ -312,9 +312,9 @@ class Generator:
         self.cfg: ModelConfig = model.cfg
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
         self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
-        self.graphdef, self.state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
         # The steps take the weights as a flat list: flattening the nnx State costs ~2 ms per call, a list ~0.3 ms.
-        self._weights, self._treedef = jax.tree.flatten(self.state)
+        self._weights, self._treedef = jax.tree.flatten(state)
         self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> count
         self._executables: dict[tuple, Any] = {}
         self.last_timing: Timing | None = None
@@ -477,7 +477,7 @@ class Generator:
         full_key = (kind, *key)
         if full_key not in self._executables:
             if model:
-                jitted = jax.jit(functools.partial(fn, self.graphdef, self._treedef), donate_argnums=(1,))
+                jitted = jax.jit(functools.partial(fn, self._graphdef, self._treedef), donate_argnums=(1,))
                 args = (self._weights, *args)
             else:
                 jitted = jax.jit(fn)
