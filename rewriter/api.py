@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import warnings
 from collections.abc import Callable
@@ -62,7 +63,8 @@ class _Signature:
         return cls(treedef, dynamic, static), [leaves[i] for i in dynamic]
 
     def key(self) -> tuple:
-        return (self.treedef, self.dynamic, self.static)
+        # With the types: 1, 1.0 and True hash equal but trace differently (as jax.jit's static arguments do).
+        return (self.treedef, self.dynamic, tuple((i, type(x), x) for i, x in self.static))
 
     def bind(self, fn: Callable) -> Callable:
         """fn as a function of the dynamic leaves only."""
@@ -143,8 +145,8 @@ class Rewritten:
         if self.options.verify and not self._verified:
             with self._lock:
                 if not self._verified:
+                    self._verify(sig, values)  # raises on a mismatch, so a failed check is repeated, never skipped
                     self._verified = True
-                    self._verify(sig, values)
         with self._lock:
             jitted = self._jitted.get(sig.key())
             if jitted is None:
@@ -202,6 +204,9 @@ def _concrete_inputs(values: list) -> list:
         if not isinstance(x, jax.ShapeDtypeStruct | jax.core.Tracer):
             out.append(x)
             continue
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            out.append(_stand_in_keys(x))
+            continue
         dtype = np.dtype(x.dtype)
         if np.issubdtype(dtype, np.inexact):
             out.append(jax.numpy.asarray(rng.standard_normal(x.shape), dtype))
@@ -210,9 +215,20 @@ def _concrete_inputs(values: list) -> list:
     return out
 
 
+def _stand_in_keys(x: Any) -> jax.Array:
+    """Typed PRNG keys of x's shape and key implementation."""
+    for impl in (None, "threefry2x32", "rbg", "unsafe_rbg"):
+        key = jax.random.key(0, impl=impl)
+        if key.dtype == x.dtype:
+            return jax.random.split(key, math.prod(x.shape)).reshape(x.shape)
+    raise TypeError(f"verify: no stand-in for PRNG keys of dtype {x.dtype}")
+
+
 def _mismatch(reference: list, result: list, options: Options) -> str | None:
     """A description of the first output leaf that differs beyond tolerance, or None."""
     for k, (a, b) in enumerate(zip(jax.tree.leaves(reference), jax.tree.leaves(result))):
+        if jax.dtypes.issubdtype(getattr(a, "dtype", None) or np.float32, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
         a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
         if not np.issubdtype(np.asarray(a).dtype, np.inexact):
             if not np.array_equal(a64, b64):

@@ -33,14 +33,14 @@ def operand_value(op: Operand, read: Callable[[Any], Any]) -> jax.Array:
 
 
 def accumulation_dtype(dtypes: list[Any]) -> Any:
-    """bf16/f16 operands accumulate in float32; wider floats in their own precision."""
+    """bf16/f16 operands accumulate in float32; wider floats (operands or a widened sum) in their own precision."""
     return jnp.promote_types(jnp.result_type(*dtypes), jnp.float32)
 
 
 def contract(c: Contraction, plan: Plan, read: Callable[[Any], Any], out_aval: Any, precision: Any) -> jax.Array:
     """The value of the site's reduce_sum, computed as `c` along `plan.path`."""
     values = [operand_value(op, read) for op in c.operands]
-    acc = accumulation_dtype([v.dtype for v in values])
+    acc = accumulation_dtype([v.dtype for v in values] + [out_aval.dtype])
     y = pairwise(list(zip(values, (op.labels for op in c.operands))), plan.path, c.kept, precision, acc)
     if c.scale != 1:
         y = y * jnp.asarray(c.scale, acc)

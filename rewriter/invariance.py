@@ -69,6 +69,8 @@ class Invariance:
 
     def _rule(self, eqn: JaxprEqn, ins: list[Axes]) -> list[Axes]:
         name, p = eqn.primitive.name, eqn.params
+        if not eqn.outvars:  # e.g. debug_callback
+            return []
         out = eqn.outvars[0].aval
         none = [frozenset()] * len(eqn.outvars)
         if name in ELEMENTWISE:

@@ -159,6 +159,18 @@ def test_bf16_sum_accumulates_in_float32():
     assert only_site(fast.last_report).operand_dtypes == ["bfloat16", "bfloat16"]
 
 
+def test_sum_widened_to_float64_accumulates_in_float64():
+    with jax.enable_x64(True):
+        a = jnp.asarray([[1e8, 1.0, -1e8]] * 2, jnp.float32)
+        b = jnp.ones((3, 2), jnp.float32)
+        widened_sum = lambda a, b: (a[:, :, None] * b[None]).sum(1, dtype=jnp.float64)
+        widened_operands = lambda a, b: (a.astype(jnp.float64)[:, :, None] * b.astype(jnp.float64)[None]).sum(1)
+        for f in (widened_sum, widened_operands):
+            fast = rewriter.rewrite(f, **GATE_OFF)
+            np.testing.assert_array_equal(fast(a, b), np.ones((2, 2)))  # float32 accumulation would give 0
+            assert only_site(fast.last_report).status == "rewritten"
+
+
 def test_mean_views_and_unit_reshapes():
     a, c = rand(3, 1, 8, 5), rand(4, 8, seed=1)
 
@@ -333,6 +345,28 @@ def test_closure_over_traced_values_and_static_arguments():
     assert_close(jax.grad(loss)(3.0), 6.0 * oracle("ik,kj->", a, b), 6.0 * oracle_bound("ik,kj->", a, b), 1e-5)
 
 
+def test_static_arguments_of_different_types_trace_apart():
+    a, b = rand(8, 6), rand(6, 5, seed=1)
+    signed = rewriter.rewrite(lambda a, b, flag: matmul_as_sum(a, b) if flag is True else -matmul_as_sum(a, b),
+                              **GATE_OFF)
+    np.testing.assert_array_equal(signed(a, b, 1), -signed(a, b, True))  # 1 == True, but a different trace
+    scaled = rewriter.rewrite(lambda a, b, n: (matmul_as_sum(a, b), jnp.arange(5) * n), **GATE_OFF)
+    assert scaled(a, b, 1)[1].dtype == jnp.int32
+    assert scaled(a, b, 1.0)[1].dtype == jnp.float32
+
+
+def test_side_effect_without_outputs_is_kept(capfd):
+    a, b = rand(8, 6), rand(6, 5, seed=1)
+
+    def f(a, b):
+        jax.debug.print("first {x}", x=a[0, 0])
+        return matmul_as_sum(a, b)
+
+    check_rewritten(f, (a, b), "ik,kj->ij")
+    jax.effects_barrier()
+    assert "first" in capfd.readouterr().out
+
+
 def test_analyze_abstract_full_size_allocates_nothing():
     big = jax.ShapeDtypeStruct((4096, 8192), jnp.float32)
     report = rewriter.analyze(matmul_as_sum, big, jax.ShapeDtypeStruct((8192, 4096), jnp.float32))
@@ -415,6 +449,21 @@ def test_verify_names_the_wrong_site(monkeypatch):
     with pytest.raises(VerificationError, match=r"site #1 .*test_rewriter.py:\d+") as info:
         fast(a, b)
     assert "site #2" not in str(info.value)
+    with pytest.raises(VerificationError):  # a failed check is repeated on the next call, never skipped
+        fast(a, b)
+
+
+def test_verify_with_typed_prng_keys_in_and_out():
+    def f(a, b, key):
+        return matmul_as_sum(a, b) + jax.random.normal(key, (8, 5)), jax.random.split(key)
+
+    fast = rewriter.rewrite(f, verify=True, **GATE_OFF)
+    a, b, key = rand(8, 6), rand(6, 5, seed=1), jax.random.key(0)
+    for g in (fast, jax.jit(fast)):  # eagerly: real keys; under jit: stand-in keys of the same implementation
+        out, keys = g(a, b, key)
+        want, want_keys = f(a, b, key)
+        assert_close(out, want, oracle_bound("ik,kj->ij", a, b) + np.abs(want), 1e-5)
+        np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(want_keys))
 
 
 def test_verify_under_jit_uses_stand_in_inputs(monkeypatch):
