@@ -650,7 +650,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same output (0)")
     s.add_argument(
-        "--stop", action="append", default=[], metavar="TEXT", help="stop a sequence at this string (repeatable)"
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop a sequence at this string, matched in the decoded text without special tokens (repeatable; "
+        "for a special token use --stop-token-id)",
     )
     s.add_argument(
         "--stop-token-id",
@@ -751,13 +756,26 @@ def _timing_line(t: Timing) -> str:
     )
 
 
+def _check_flag_combinations(args: argparse.Namespace) -> None:
+    if args.stream and args.json:
+        raise GenerationError("--stream and --json exclude each other: --json prints one JSON document at the end")
+    if args.system is not None and not args.chat:
+        raise GenerationError("--system needs --chat (the system prompt goes into the chat template)")
+    if args.ssd_impl == "pallas" and jax.default_backend() != "gpu":
+        raise GenerationError(f"--ssd-impl pallas needs an NVIDIA GPU; use xla on {jax.default_backend().upper()}")
+
+
 def run_cli(args: argparse.Namespace) -> int:
-    sampling = _sampling_from_args(args)  # validate flags before the (slow) model load
+    _check_flag_combinations(args)  # validate flags before the (slow) model load
+    sampling = _sampling_from_args(args)
     if args.model is None and default_model_dir() is None:
         raise GenerationError(NO_MODEL_MESSAGE)
     if args.model is not None and not os.path.isdir(args.model):
         raise GenerationError(f"{args.model}: model directory not found")
     prompts = _collect_prompts(args)
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise GenerationError(f"prompt {i + 1} is empty")
     generator = Generator(
         args.model,
         dtype=args.dtype,

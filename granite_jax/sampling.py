@@ -124,7 +124,9 @@ def sample_tokens(logits: Array, params: SamplerParams, step: Array) -> Array:
 
 
 def _sample(logits: Array, params: SamplerParams, step: Array) -> Array:
-    scaled = logits / params.temperature
+    # Shifted before scaling, so the most likely token is exactly 0 (weight exp(0) = 1) however small T is; `l / T`
+    # alone, recomputed in two fusions, could differ enough at T ~ 1e-10 to leave every weight 0.
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / params.temperature
     keep = filter_mask(scaled, params.top_k, params.top_p)
     key = jax.random.fold_in(jax.random.wrap_key_data(params.key), step)
     u = jax.random.uniform(key, (logits.shape[0],), jnp.float32)

@@ -210,16 +210,15 @@ def test_stop_string_cuts_the_text_and_streaming_matches(generator, alone):
     )[0]
     assert result.finish_reason == "stop_string"
     assert result.text == full[: full.index(stop)]
-    assert "".join(pieces) == result.text
+    assert "".join(pieces) == result.text and len(pieces) > 1  # streamed piece by piece, not all at the end
     assert len(result.token_ids) < 32 and tuple(result.token_ids) == alone[0][: len(result.token_ids)]
 
 
 def test_streaming_batch_rebuilds_every_text(generator):
-    pieces: dict[int, str] = {}
-    results = generator.generate(
-        PROMPTS, GREEDY_32, stream_callback=lambda row, text: pieces.__setitem__(row, pieces.get(row, "") + text)
-    )
-    assert [pieces.get(i, "") for i in range(3)] == [r.text for r in results]
+    pieces: dict[int, list[str]] = {i: [] for i in range(3)}
+    results = generator.generate(PROMPTS, GREEDY_32, stream_callback=lambda row, text: pieces[row].append(text))
+    assert ["".join(pieces[i]) for i in range(3)] == [r.text for r in results]
+    assert all(len(pieces[i]) > 1 for i in range(3) if len(results[i].token_ids) > 4)
 
 
 def test_timing_is_reported(generator):
@@ -344,6 +343,10 @@ CLI_ERRORS = [  # (arguments, stdin, expected message)
     (("--model", "{ckpt}", "--prompt", "hi", "--top-p", "0"), None, "top_p must be in (0, 1]"),
     (("--model", "{ckpt}", "--prompt", "hi", "--max-new-tokens", "0"), None, "max_new_tokens must be an integer"),
     (("--model", "{ckpt}", "--prompt", "hi", "--temperature", "x"), None, "invalid float value"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--stream", "--json"), None, "--stream and --json exclude each other"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--system", "be brief"), None, "--system needs --chat"),
+    (("--model", "{ckpt}", "--prompt", ""), None, "prompt 1 is empty"),  # found before the load: no progress bar
+    (("--model", "{ckpt}"), b"", "prompt 1 is empty"),
     (("--model", "{rope}", "--prompt", "x" * 100, "--quiet"), None, "longer than max_position_embeddings=64"),
 ]
 
@@ -362,6 +365,13 @@ def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint):
         assert process.wait(timeout=600) == 2, err
         assert len(err.splitlines()) == 1 and message in err, err
         assert "Traceback" not in err
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the Pallas kernels run here")
+def test_cli_pallas_without_a_gpu_is_refused_before_loading(checkpoint):
+    out = cli("--model", checkpoint, "--prompt", "hi", "--ssd-impl", "pallas")
+    assert out.returncode == 2
+    assert out.stderr.decode().strip() == "error: --ssd-impl pallas needs an NVIDIA GPU; use xla on CPU"
 
 
 def test_cli_json_output(checkpoint, generator):

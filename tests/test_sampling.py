@@ -110,6 +110,14 @@ def test_large_vocabulary_top_p_matches_a_sorted_reference():
             assert np.array_equal(m, expected)
 
 
+@pytest.mark.parametrize("temperature", [1e-3, 1e-10, 1e-30])
+def test_tiny_temperature_samples_the_argmax(temperature):
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((4, 1000)) * 5, jnp.float32)
+    for top_k, top_p in ((0, 1.0), (50, 0.9)):
+        params = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p).device_params()
+        assert sample(logits, params, jnp.int32(1)).tolist() == jnp.argmax(logits, -1).tolist()
+
+
 def test_same_seed_same_tokens_other_seed_other_tokens():
     logits = jnp.zeros((8, 320))
     a = sample(logits, SamplingConfig(temperature=1.0, seed=1).device_params(), jnp.int32(3))
