@@ -466,6 +466,7 @@ class Granite(nnx.Module):
         """
         b, T = tokens.shape
         if cache is not None:
+            _check_room(cache, T)
             pos = Positions(cache.index + jnp.arange(T, dtype=jnp.int32), cache.pad)
         else:
             pad = jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
@@ -478,7 +479,11 @@ class Granite(nnx.Module):
             if return_hidden:
                 hidden.append(x)
         logits = self.head(x[:, -1:] if last_only else x)
-        new_cache = None if cache is None else Cache(tuple(states), cache.pad, cache.index + T)
+        new_cache = None
+        if cache is not None:
+            new_cache = Cache(tuple(states), cache.pad, cache.index + T)
+            if cache.max_len is not None:  # past the end, KV writes would be clamped onto the last slots: poison
+                logits = jnp.where(new_cache.index <= cache.max_len, logits, jnp.nan)
         return logits, new_cache, tuple(hidden)
 
     def head(self, x: Array) -> Array:
@@ -493,6 +498,18 @@ class Granite(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling
+
+
+def _check_room(cache: Cache, T: int) -> None:
+    """Raise when T tokens from cache.index do not fit the KV cache (checked where the index is known)."""
+    if cache.max_len is None:
+        return
+    if T > cache.max_len:
+        raise ValueError(f"{T} tokens do not fit a KV cache of {cache.max_len} slots")
+    if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > cache.max_len:
+        raise ValueError(
+            f"{T} tokens from slot {int(cache.index)} do not fit a KV cache of {cache.max_len} slots"
+        )
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Granite:

@@ -58,6 +58,10 @@ NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
     (_L + r"self_attn\.([qkvo])_proj\.weight", r"layers.\1.self_attn.\2_proj.weight", KEEP),
     (_L + r"block_sparse_moe\.router\.layer\.weight", r"layers.\1.block_sparse_moe.router.weight", KEEP),
     (_L + r"block_sparse_moe\.(input|output)_linear\.weight", r"layers.\1.block_sparse_moe.\2_linear", EXPERTS),
+    # transformers 5's in-memory names (save_pretrained(..., save_original_format=False)): the same tensors renamed
+    (_L + r"block_sparse_moe\.router\.weight", r"layers.\1.block_sparse_moe.router.weight", KEEP),
+    (_L + r"block_sparse_moe\.experts\.gate_up_proj", r"layers.\1.block_sparse_moe.input_linear", EXPERTS),
+    (_L + r"block_sparse_moe\.experts\.down_proj", r"layers.\1.block_sparse_moe.output_linear", EXPERTS),
     (_L + r"shared_mlp\.(input|output)_linear\.weight", r"layers.\1.shared_mlp.\2_linear.weight", KEEP),
 )
 
@@ -73,8 +77,9 @@ def map_name(name: str) -> tuple[str, Transform] | None:
 # ---------------------------------------------------------------------------------------------- files
 
 
-def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
-    """The safetensors files of a HF checkpoint directory (single file or sharded with an index)."""
+def checkpoint_files(model_dir: str | os.PathLike) -> dict[str, tuple[str, ...] | None]:
+    """The safetensors files of a HF checkpoint directory, each with the tensor names its index assigns to it
+    (None: a single-file checkpoint, every tensor in it)."""
     d = os.fspath(model_dir)
     if not os.path.isdir(d):
         raise CheckpointError(f"{d}: model directory not found")
@@ -82,16 +87,19 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
     if os.path.isfile(index):
         try:
             with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
+                weight_map = dict(json.load(f)["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        missing = [s for s in shards if not os.path.isfile(os.path.join(d, s))]
+        shards: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            shards.setdefault(os.path.join(d, shard), []).append(name)
+        missing = sorted(os.path.basename(s) for s in shards if not os.path.isfile(s))
         if missing:
             raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
-        return [os.path.join(d, s) for s in shards]
+        return {path: tuple(names) for path, names in sorted(shards.items())}
     single = os.path.join(d, "model.safetensors")
     if os.path.isfile(single):
-        return [single]
+        return {single: None}
     pickles = [f for f in os.listdir(d) if f.endswith((".bin", ".pt", ".pth", ".ckpt"))]
     if pickles:
         raise CheckpointError(
@@ -102,15 +110,18 @@ def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
     raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
 
 
-def iter_tensors(files: list[str]) -> Iterator[tuple[str, str, Any]]:
-    """Yield (file, name, array) one tensor at a time."""
-    for path in files:
+def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str, str, Any]]:
+    """Yield (file, name, array) one tensor at a time: each file's assigned tensors (all of them for None)."""
+    for path, names in files.items():
         try:
             handle = safe_open(path, framework="numpy")
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
         with handle as f:
-            for name in f.keys():
+            present = set(f.keys())
+            for name in names if names is not None else f.keys():
+                if name not in present:
+                    raise CheckpointError(f"{path}: no tensor {name!r}, though the index assigns it to this file")
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:
@@ -157,33 +168,49 @@ def load_model(
 
 def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: bool) -> dict[str, jax.Array]:
     values: dict[str, jax.Array] = {}
+    source: dict[str, str] = {}
+    head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
     bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress)
     for path, name, tensor in iter_tensors(files):
         mapped = map_name(name)
         if mapped is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a GraniteMoeHybrid model)")
         target, transform = mapped
+        if target == "lm_head.weight" and target not in expected:
+            head = path, tensor
+            continue
         if target not in expected:
             raise CheckpointError(f"{path}: tensor {name!r} does not exist in this model's config (maps to {target})")
+        if target in source:
+            raise CheckpointError(f"{path}: tensor {name!r} sets {target}, which {source[target]!r} already set")
         want = transform.source_shape(tuple(expected[target].shape))
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
         # Transpose and cast on the host (numpy views and one copy), then one transfer per tensor.
         host = np.ascontiguousarray(transform.apply(tensor).astype(np.dtype(param_dtype), copy=False))
-        values[target] = jax.device_put(host)
+        values[target], source[target] = jax.device_put(host), name
         bar.update()
     bar.close()
+    first = next(iter(files))
     missing = sorted(set(expected) - set(values))
     if missing == ["lm_head.weight"]:
         raise CheckpointError(
-            f"{files[0]}: no lm_head.weight but config has tie_word_embeddings=false; "
+            f"{first}: no lm_head.weight but config has tie_word_embeddings=false; "
             "set tie_word_embeddings=true or add the head"
         )
     if missing:
         raise CheckpointError(
-            f"{os.path.dirname(files[0])}: missing tensor(s) for {', '.join(missing[:8])}"
+            f"{os.path.dirname(first)}: missing tensor(s) for {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
+    if head is not None:
+        embedding = np.asarray(values["embed_tokens.embedding"])
+        path, tensor = head
+        if tensor.shape != embedding.shape or not np.array_equal(tensor.astype(embedding.dtype), embedding):
+            raise CheckpointError(
+                f"{path}: lm_head.weight differs from the embedding but config.json has tie_word_embeddings=true; "
+                "set it to false to use the separate head"
+            )
     return values
 
 

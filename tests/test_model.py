@@ -154,6 +154,11 @@ def test_cached_segments_equal_one_forward(pairs):
     for row in range(2):
         assert rel_err(stepped[row, pad[row] :], full[row, pad[row] :]) <= RTOL
     assert cache.layers[0].ssm.dtype == jnp.float32
+    with pytest.raises(ValueError, match="2 tokens from slot 45 do not fit a KV cache of 46 slots"):
+        pair.jax.forward(jnp.asarray(ids[:, :2]), cache=dataclasses.replace(Cache.init(pair.jax.cfg, 2, 46), index=45))
+    full_cache = dataclasses.replace(Cache.init(pair.jax.cfg, 2, 45, pad=jnp.asarray(pad)), index=jnp.int32(45))
+    logits, _ = step(pair.jax, jnp.asarray(ids[:, :1]), full_cache)  # under jit: no room is NaN, never clamped
+    assert np.isnan(np.asarray(logits)).all()
 
 
 def _attention_float64(q, k, v, query_slots, pad, scale):

@@ -118,3 +118,57 @@ def test_untied_config_without_head(tiny_checkpoint, tmp_path):
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(CheckpointError, match="no lm_head.weight"):
         load_model(d)
+
+
+def test_transformers_5_tensor_names_load_the_same_model(tiny_checkpoint, tmp_path):
+    """save_pretrained(..., save_original_format=False) writes the MoE tensors under their in-memory names."""
+    renames = {
+        r"block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+        r"block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+        r"block_sparse_moe.router.layer.weight": "block_sparse_moe.router.weight",
+    }
+
+    def rename(tensors):
+        for name in [n for n in tensors if any(n.endswith(old) for old in renames)]:
+            old = next(o for o in renames if name.endswith(o))
+            tensors[name[: -len(old)] + renames[old]] = tensors.pop(name)
+
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, rename)
+    assert any("experts.gate_up_proj" in n for n in load_file(os.path.join(d, "model.safetensors")))
+    ids = jnp.asarray(np.arange(12)[None] % 300)
+    np.testing.assert_array_equal(np.asarray(load_model(d)(ids)), np.asarray(load_model(tiny_checkpoint)(ids)))
+
+
+def test_one_tensor_under_two_names_is_refused(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    name = "model.layers.0.block_sparse_moe.router.layer.weight"
+    rewrite_tensors(d, lambda t: t.update({"model.layers.0.block_sparse_moe.router.weight": t[name]}))
+    with pytest.raises(CheckpointError, match=r"sets layers.0.block_sparse_moe.router.weight, which .* already set"):
+        load_model(d)
+
+
+def test_tied_config_with_a_head_equal_to_the_embedding_loads(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].copy()}))
+    ids = jnp.asarray(np.arange(12)[None] % 300)
+    np.testing.assert_array_equal(np.asarray(load_model(d)(ids)), np.asarray(load_model(tiny_checkpoint)(ids)))
+    rewrite_tensors(d, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 1}))
+    with pytest.raises(CheckpointError, match="lm_head.weight differs from the embedding.*tie_word_embeddings=true"):
+        load_model(d)
+
+
+def test_index_decides_which_shard_holds_each_tensor(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    tensors = load_file(os.path.join(d, "model.safetensors"))
+    save_file({"model.norm.weight": tensors["model.norm.weight"] * 2}, os.path.join(d, "extra.safetensors"))
+    weight_map = {name: "model.safetensors" for name in tensors} | {"model.norm.weight": "extra.safetensors"}
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    model = load_model(d)  # model.safetensors' own norm weight is not the one the index names
+    np.testing.assert_array_equal(np.asarray(model.norm.weight[...]), tensors["model.norm.weight"] * 2)
+    weight_map["model.layers.0.mamba.D"] = "extra.safetensors"
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": weight_map}, f)
+    with pytest.raises(CheckpointError, match=r"extra.safetensors: no tensor 'model.layers.0.mamba.D', though"):
+        load_model(d)
