@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         f"{args.prompt_len} tokens, {args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
-        + f"); batch-1 decode floor (parameter bytes / bandwidth): {floor_tok_s:.2f} tok/s"
+        + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s"
     )
     print(header)
     print(table(rows, floor_tok_s))

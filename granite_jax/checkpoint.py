@@ -89,7 +89,10 @@ def save_checkpoint(
     out = os.path.abspath(os.fspath(out_dir))
     check_writable(out)
     parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create its parent directory ({e.strerror})") from None
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
     try:

@@ -44,7 +44,9 @@ from granite_jax.experiments.common import (
     format_value,
     matplotlib_pyplot,
     model_summary,
+    prepare_output_dir,
     random_tokens,
+    torch_matmul_precision,
     write_json,
 )
 from granite_jax.model import Granite
@@ -525,16 +527,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.torch_threads)
+        out = args.out or _default_out(args)
+        prepare_output_dir(out, "--out")
         spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
         _log(log, f"loading {spec.describe()} into granite-jax and transformers")
-        pair = load_pair(spec, dtype=args.dtype, ssd_impl=args.ssd_impl)
-        results = run_compare(pair, options, log)
+        with torch_matmul_precision(args.dtype):
+            pair = load_pair(spec, dtype=args.dtype, ssd_impl=args.ssd_impl)
+            results = run_compare(pair, options, log)
     except (ExperimentError, CheckpointError, ConfigError) as e:
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)
         return 2
     results["command"] = "python -m granite_jax.compare " + " ".join(sys.argv[1:] if argv is None else argv)
-    out = args.out or _default_out(args)
-    os.makedirs(out, exist_ok=True)
     write_json(os.path.join(out, "compare.json"), results)
     plot(results, os.path.join(out, "compare.png"))
     print(f"{results['model']} ({results['dtype']}, {results['summary']['num_params'] / 1e6:.1f}M parameters)\n")

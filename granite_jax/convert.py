@@ -147,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, ConfigError) as e:
         print(f"granite_jax.convert: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("granite_jax.convert: interrupted; nothing was written", file=sys.stderr)
+        return 130
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s")
     return 0
 

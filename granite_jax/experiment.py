@@ -31,9 +31,12 @@ from granite_jax.config import ConfigError
 from granite_jax.experiments.common import (
     ExperimentError,
     Result,
+    check_measure,
     check_workload,
     environment,
     markdown_table,
+    prepare_output_dir,
+    torch_matmul_precision,
     write_json,
 )
 from granite_jax.params import CheckpointError
@@ -63,14 +66,14 @@ def run(config) -> str:
     if config.experiment not in EXPERIMENTS:
         raise ExperimentError(f"experiment: {config.experiment!r} is not one of {', '.join(EXPERIMENTS)}")
     check_workload(config.workload)
+    check_measure(config.measure)
     out = config.output_dir or os.path.join("runs", f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ExperimentError(f"output_dir: {out} exists and is not a directory")
+    prepare_output_dir(out, "output_dir")
     module = importlib.import_module(EXPERIMENTS[config.experiment])
     start = time.perf_counter()
-    result: Result = module.run(config)
+    with torch_matmul_precision(config.workload.dtype):
+        result: Result = module.run(config)
     elapsed = time.perf_counter() - start
-    os.makedirs(out, exist_ok=True)
     plots = [name for name, draw in result.plots.items() if draw(os.path.join(out, name)) is not False]
     write_json(os.path.join(out, "results.json"), _record(config, result, plots, elapsed))
     with open(os.path.join(out, "results.md"), "w") as f:
@@ -97,15 +100,12 @@ def _record(config, result: Result, plots: list[str], elapsed: float) -> dict[st
 
 def report(config, result: Result, plots: list[str]) -> str:
     """results.md: title, model and workload, the table, headline numbers, notes and plots."""
-    w = config.workload
+    params = _params(result.model)
     lines = [
         f"# {result.title}",
         "",
-        f"- model: {result.model.get('source', '')} ({_params(result.model)})",
-        f"- workload: batch {w.batch}, seq_len {w.seq_len}"
-        + ("" if w.seq_lens is None else f", seq_lens {w.seq_lens}")
-        + f", new_tokens {w.new_tokens}, {w.dtype}, "
-        f"ssd_impl={w.ssd_impl}, rewriter={'on' if w.rewriter else 'off'}",
+        f"- model: {result.model.get('source', '')}" + (f" ({params})" if params else ""),
+        "- workload: " + ", ".join(f"{k} {_value(v)}" for k, v in result.workload.items()),
         f"- command: `{' '.join(['python -m granite_jax.experiment', *sys.argv[1:]])}`",
         "",
         markdown_table(result.rows, result.columns),
@@ -115,6 +115,12 @@ def report(config, result: Result, plots: list[str]) -> str:
     lines += [f"- {note}" for note in result.notes]
     lines += ["", *(f"![{name}]({name})" for name in plots)]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    return ", ".join(map(str, v)).join("()") if isinstance(v, list | tuple) else str(v)
 
 
 def _params(model: dict[str, Any]) -> str:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
+import jax
 import pytest
 
 from granite_jax import compare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +63,17 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compare.main(["--model", "a", "--config", "tiny"])
     assert exit_info.value.code == 2
+    capsys.readouterr()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    bad_inputs = [  # each refused before any model is built
+        (["--config", "tiny", "--out", str(a_file / "sub")], f"--out: cannot create {a_file / 'sub'}"),
+        (["--config", os.path.join(ROOT, "configs/models/tiny.py:bad")], "get_config(bad) failed: configs/models/tiny"),
+        (["--config", os.path.join(ROOT, "configs/experiments/parity.py")], "parity.py: not a model config"),
+    ]
+    if jax.default_backend() != "gpu":
+        bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl 'pallas' needs an NVIDIA GPU"))
+    for args, message in bad_inputs:
+        assert compare.main([*args, "--no-speed", "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err

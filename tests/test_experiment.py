@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from granite_jax import experiment
@@ -105,11 +106,12 @@ def test_rewrite_quick_run(tmp_path):
     out, results, markdown = _run("configs/experiments/rewrite.py", tmp_path)
     rows = results["rows"]
     assert [(r["seq_len"], r["variant"]) for r in rows] == [
-        (n, v) for n in (32, 64) for v in ("naive", "rewritten", "xla")
+        (n, v) for n in (128, 256) for v in ("naive", "rewritten", "xla")
     ]
     for row in rows:
         assert row["median_ms"] > 0 and row["temp_mib"] >= 0 and row["rel_diff_vs_xla"] < 1e-5
-    assert results["summary"]["sites_total"] > 0 and "rewriter sites at seq_len 64" in markdown
+    assert results["summary"]["sites_rewritten"] > 0 and "rewriter sites at seq_len 256" in markdown
+    assert "- workload: batch 1, seq_lens (128, 256), dtype float32" in markdown
     assert open(os.path.join(out, "rewrite.png"), "rb").read(8) == PNG
 
 
@@ -123,10 +125,14 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     rows, summary = results["rows"], results["summary"]
     assert [r["batch"] for r in rows] == [2] and rows[0]["jax_decode_tok_s"] > 0 and "hf_decode_tok_s" not in rows[0]
     assert open(os.path.join(out, "throughput.png"), "rb").read(8) == PNG
-    # The floor: float32 parameters of the tiny model, read once per token at the best probe's bandwidth.
+    # The floor: the float32 weights a token reads (all but the experts it is not routed to) at the best bandwidth.
     assert summary["param_bytes"] == 4 * results["model"]["num_params"]
+    cfg = model_config("tiny")
+    experts_per_layer = cfg.num_local_experts * 3 * cfg.intermediate_size * cfg.hidden_size  # (gate, up), down
+    unread = cfg.num_layers * experts_per_layer * (1 - cfg.num_experts_per_tok / cfg.num_local_experts)
+    assert unread > 0 and summary["bytes_read_per_token"] == pytest.approx(summary["param_bytes"] - 4 * unread)
     best = max(summary["bandwidth_gb_s"].values())
-    assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["param_bytes"])
+    assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["bytes_read_per_token"])
 
 
 def test_bad_workload_values_rejected(tmp_path):
@@ -143,6 +149,30 @@ def test_bad_workload_values_rejected(tmp_path):
     config.workload.rewriter = True
     with pytest.raises(ExperimentError, match="workload.rewriter: the throughput experiment"):
         experiment.run(config)
+    config = load("configs/experiments/scaling.py", "quick")
+    config.measure.repeats = 0
+    with pytest.raises(ExperimentError, match="measure.repeats must be >= 1, got 0"):
+        experiment.run(config)
+    config = load("configs/experiments/scaling.py", "quick")
+    config.workload.seq_lens = (True,)
+    with pytest.raises(ExperimentError, match="workload.seq_lens must be positive integers"):
+        experiment.run(config)
+    (tmp_path / "a_file").write_text("")
+    config = load("configs/experiments/scaling.py", "quick")
+    config.output_dir = str(tmp_path / "a_file" / "out")
+    with pytest.raises(ExperimentError, match="output_dir: cannot create"):  # at once, not after the run
+        experiment.run(config)
+    if jax.default_backend() != "gpu":
+        config = load("configs/experiments/scaling.py", "quick")
+        config.workload.ssd_impl = "pallas"
+        with pytest.raises(ExperimentError, match="ssd_impl 'pallas' needs an NVIDIA GPU"):
+            experiment.run(config)
+
+
+def test_experiment_config_argument_is_checked():
+    for path in glob.glob(os.path.join(ROOT, "configs", "experiments", "*.py")):
+        with pytest.raises(ValueError, match="unknown argument 'quik'"):
+            load(path, "quik")
 
 
 def test_unknown_field_is_one_line_exit_2():

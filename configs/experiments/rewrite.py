@@ -9,7 +9,7 @@ measurement is benchmarks/rewrite_ssd.py's `bench_length`.
     python -m granite_jax.experiment --config configs/experiments/rewrite.py:quick     # tiny dims, seconds
 """
 
-from granite_jax.experiments.common import default_config
+from granite_jax.experiments.common import default_config, quick
 
 
 def get_config(arg=None):
@@ -18,9 +18,9 @@ def get_config(arg=None):
     c.measure.repeats = 5  # timed calls of the rewritten and xla SSDs per length (interleaved)
     c.measure.naive_repeats = 2  # timed calls of the naive SSD per length
     c.measure.max_naive_seconds = 300.0  # skip the naive SSD where one call is predicted to take longer
-    if arg == "quick":
+    if quick(arg):
         c.model.name = "tiny"
-        c.workload.seq_lens = (32, 64)
+        c.workload.seq_lens = (128, 256)  # long enough for the rewriter to take its sites (min_flops)
         c.measure.repeats = 1
         c.measure.naive_repeats = 1
     return c

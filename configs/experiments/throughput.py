@@ -6,7 +6,9 @@ python -m granite_jax.experiment --config configs/experiments/throughput.py --no
 python -m granite_jax.experiment --config configs/experiments/throughput.py:quick      # tiny model
 """
 
-from granite_jax.experiments.common import default_config
+from ml_collections import config_dict
+
+from granite_jax.experiments.common import default_config, quick
 
 
 def get_config(arg=None):
@@ -17,7 +19,8 @@ def get_config(arg=None):
     c.measure.repeats = 2
     c.measure.transformers = True  # also time transformers on the same weights (its CPU reference path)
     c.measure.floor_probe_mib = 1024  # bandwidth probe size for the batch-1 decode floor (0: no probe)
-    if arg == "quick":
+    c.measure.torch_threads = config_dict.placeholder(int)  # torch's intra-op threads (default: torch's own choice)
+    if quick(arg):
         c.model.name = "tiny"
         c.workload.seq_len = 16
         c.workload.new_tokens = 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -70,8 +71,18 @@ def _load_config_file(path: str, arg: str | None) -> dict[str, Any]:
     spec = importlib.util.spec_from_file_location("_granite_model_config", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    config = module.get_config(arg) if arg is not None else module.get_config()
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if not hasattr(module, "get_config"):
+        raise ExperimentError(f"{path}: no get_config(); model configs are the files in configs/models/")
+    try:
+        config = module.get_config(arg) if arg is not None else module.get_config()
+    except Exception as e:  # the file's own check of its argument, or a broken file
+        raise ExperimentError(f"{path}: get_config({arg or ''}) failed: {e}") from None
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if "hidden_size" not in fields or "num_hidden_layers" not in fields:
+        raise ExperimentError(
+            f"{path}: not a model config (no hidden_size / num_hidden_layers); model configs are in configs/models/"
+        )
+    return fields
 
 
 def with_num_layers(cfg: ModelConfig, n: int) -> ModelConfig:
@@ -107,6 +118,7 @@ class ModelSpec:
     def load(self, *, dtype: str = "float32", ssd_impl: str = "xla", progress: bool = False) -> Granite:
         if dtype not in DTYPES:
             raise ExperimentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        check_ssd_impl(ssd_impl)
         if self.checkpoint:
             if self.num_layers is not None:
                 raise ExperimentError("model.num_layers applies to random weights only; unset it or model.checkpoint")
@@ -294,6 +306,7 @@ class Result:
     notes: list[str] = dataclasses.field(default_factory=list)
     plots: dict[str, Callable[[str], None]] = dataclasses.field(default_factory=dict)  # file name -> draw(path)
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    workload: dict[str, Any] = dataclasses.field(default_factory=dict)  # the workload fields this experiment used
 
 
 def check_workload(workload) -> None:
@@ -307,8 +320,44 @@ def check_workload(workload) -> None:
     for name in ("batch", "seq_len", "new_tokens"):
         if workload[name] < 1:
             raise ExperimentError(f"workload.{name} must be >= 1, got {workload[name]}")
-    if workload.seq_lens is not None and any(not isinstance(n, int) or n < 1 for n in workload.seq_lens):
+    check_ssd_impl(workload.ssd_impl)
+    bad = lambda n: isinstance(n, bool) or not isinstance(n, int) or n < 1
+    if workload.seq_lens is not None and any(bad(n) for n in workload.seq_lens):
         raise ExperimentError(f"workload.seq_lens must be positive integers, got {workload.seq_lens}")
+
+
+def torch_matmul_precision(dtype: str):
+    """float32 products in full float32, as torch computes them by default; without it JAX may use TF32 on GPUs
+    (no effect on CPU). Wraps every comparison with transformers and every experiment."""
+    return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
+
+
+def check_ssd_impl(ssd_impl: str) -> None:
+    if ssd_impl == "pallas" and jax.default_backend() != "gpu":
+        raise ExperimentError(f"ssd_impl 'pallas' needs an NVIDIA GPU; use 'xla' on {jax.default_backend().upper()}")
+
+
+def check_measure(measure) -> None:
+    for name in ("repeats", "warmup"):
+        if name in measure and (isinstance(measure[name], bool) or measure[name] < (1 if name == "repeats" else 0)):
+            raise ExperimentError(f"measure.{name} must be >= {1 if name == 'repeats' else 0}, got {measure[name]}")
+
+
+def prepare_output_dir(out: str, flag: str) -> None:
+    """Create the output directory before any work, so a bad path fails at once and not after a long run."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ExperimentError(f"{flag}: cannot create {out} ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ExperimentError(f"{flag}: {out} is not writable")
+
+
+def quick(arg: str | None) -> bool:
+    """An experiment config's argument: 'quick' (tiny model, seconds) or nothing."""
+    if arg not in (None, "", "quick"):
+        raise ValueError(f"unknown argument {arg!r}; expected ':quick' or nothing")
+    return arg == "quick"
 
 
 def model_spec(config) -> ModelSpec:

@@ -47,6 +47,7 @@ def run(config) -> Result:
         ],
         plots={"parity.png": lambda path: plot(rows, w.dtype, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
+        workload=dict(batch=w.batch, seq_len=w.seq_len, dtype=w.dtype, ssd_impl=w.ssd_impl, rewriter=w.rewriter),
     )
 
 

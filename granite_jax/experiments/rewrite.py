@@ -83,6 +83,7 @@ def run(config) -> Result:
         ],
         plots={"rewrite.png": lambda path: plot(rows, dims, path)},
         model=dict(source=f"SSD of {config.model.checkpoint or config.model.name}", mamba_dims=dims),
+        workload=dict(batch=w.batch, seq_lens=lengths, dtype="float32"),
     )
 
 

@@ -55,6 +55,7 @@ def run(config) -> Result:
         ],
         plots={"scaling.png": lambda path: plot(rows, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(model)),
+        workload=dict(batch=w.batch, seq_lens=lengths, dtype=w.dtype, ssd_impl=w.ssd_impl, rewriter=w.rewriter),
     )
 
 

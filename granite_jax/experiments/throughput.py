@@ -6,7 +6,8 @@ prints): granite-jax through `Generator.measure` (compilation excluded and repor
 `model.generate` with per-token timestamps. Best of `measure.repeats` runs after a warm-up.
 
 With `measure.floor_probe_mib` > 0 it also measures the memory bandwidth (`memory_bandwidth`) and reports the
-batch-1 decode floor: one decode step reads every parameter once, so tokens/s <= bandwidth / parameter bytes.
+batch-1 decode floor: one decode step reads every weight it uses once (all parameters but the routed experts the
+token is not sent to), so tokens/s <= bandwidth / those bytes.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def run(config) -> Result:
     if w.new_tokens < 2:
         raise ExperimentError("workload.new_tokens must be >= 2 to time decoding")
     spec = model_spec(config)
+    if m.get("torch_threads") is not None:
+        if m.torch_threads < 1:
+            raise ExperimentError(f"measure.torch_threads must be >= 1, got {m.torch_threads}")
+        import torch
+
+        torch.set_num_threads(m.torch_threads)
     if m.transformers:
         pair = compare.load_pair(spec, dtype=w.dtype, ssd_impl=w.ssd_impl)
     else:
@@ -70,11 +77,14 @@ def run(config) -> Result:
             "remaining time. Best of measure.repeats runs after a warm-up; granite-jax compilation excluded "
             "(jax_compile_s).",
             "speedup = granite-jax tokens/s / transformers tokens/s.",
-            "decode floor (batch 1) = memory bandwidth / parameter bytes; bandwidth = the fastest of the probes in "
-            "`bandwidth_gb_s` (summary), measured in the same run.",
+            "decode floor (batch 1) = memory bandwidth / bytes read per token; bandwidth = the fastest of the probes "
+            "in `bandwidth_gb_s` (summary), measured in the same run.",
         ],
         plots={"throughput.png": lambda path: plot(speeds, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
+        workload=dict(
+            batch_sizes=batch_sizes, seq_len=w.seq_len, new_tokens=w.new_tokens, dtype=w.dtype, ssd_impl=w.ssd_impl
+        ),
     )
 
 
@@ -112,13 +122,25 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
 
 
 def decode_floor(model, bandwidth: dict[str, float]) -> dict[str, Any]:
-    """The batch-1 decode bound: every parameter is read once per token, at the best bandwidth measured."""
-    param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    """The batch-1 decode bound: every weight a token uses is read once per token, at the best bandwidth measured.
+
+    A token uses every parameter except the routed experts it is not sent to: of each MoE layer's experts only
+    `num_experts_per_tok` of `num_local_experts` are read (`model.MoE` gathers the chosen ones when decoding).
+    """
+    cfg = model.cfg
+    param_bytes = read_bytes = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        nbytes = x.size * x.dtype.itemsize
+        keys = [str(getattr(k, "key", k)) for k in path]
+        routed = "block_sparse_moe" in keys and ("input_linear" in keys or "output_linear" in keys)
+        param_bytes += nbytes
+        read_bytes += nbytes * cfg.num_experts_per_tok / cfg.num_local_experts if routed else nbytes
     best = max(bandwidth.values())
     return dict(
         param_bytes=int(param_bytes),
+        bytes_read_per_token=int(read_bytes),
         bandwidth_gb_s=bandwidth,
-        decode_floor_tok_s=best * 1e9 / param_bytes,
+        decode_floor_tok_s=best * 1e9 / read_bytes,
     )
 
 
