@@ -39,6 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# Run from a plain checkout (no install): the packages live beside benchmarks/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 H200 = dict(peak_tflops=990.0, peak_gbs=4800.0)
 H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)
 SMOKE = dict(h=4, p=16, g=1, n=16, chunk=16)
@@ -444,8 +447,38 @@ def environment() -> dict:
     )
 
 
+def speedups(results: list[dict]) -> list[dict]:
+    """pallas (and pallas_y16) against xla, measured side by side: xla time / kernel time per section and size."""
+    timed = {(r["kind"], r.get("L", r.get("batch")), r["impl"]): r["us"] for r in results if "us" in r}
+    rows = []
+    for (kind, size, impl), us in timed.items():
+        xla = timed.get((kind, size, "xla"))
+        if impl.startswith("pallas") and xla is not None:
+            rows.append(dict(kind=kind, size=size, impl=impl, xla_us=xla, us=us, speedup_vs_xla=xla / us))
+            print(f"  {kind:7s} {'L' if kind != 'decode' else 'batch'}={size:<6} {impl:12s} {xla / us:6.2f}x xla")
+    return rows
+
+
+def check_out_path(out: str | None) -> str | None:
+    """Refuse an --out path that cannot be written before any work (a late failure would lose the run)."""
+    if not out:
+        return None
+    if os.path.isdir(out):
+        return f"--out {out}: is a directory; give a file name"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as e:
+        return f"--out {out}: cannot create its directory ({e.strerror})"
+    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+        return f"--out {out}: its directory is not writable"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if (problem := check_out_path(args.out)) is not None:
+        print(problem, file=sys.stderr)
+        return 2
     dtype = jnp.dtype(args.dtype)
     ceilings = dict(peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs)
     env = environment()
@@ -477,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             sweep_dims = Dims(b=args.batch, L=40 if args.smoke else args.sweep_len, **dims)
             results += bench_sweep(sweep_dims, dtype, ceilings, args.min_seconds)
+    print("speed-ups against xla (same run):")
     summary = dict(
+        speedups=speedups(results),
         environment=env,
         ceilings=ceilings,
         dims=dims,
@@ -488,12 +523,11 @@ def main(argv: list[str] | None = None) -> int:
         results=results,
     )
     text = json.dumps(summary, indent=1)
+    print(text)  # first: the numbers survive even if the file cannot be written
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")
-    print(text)
     return 0 if summary["checks_ok"] else 1
 
 

@@ -1,6 +1,7 @@
 """Pallas GPU kernels (Triton lowering) for the Mamba-2 SSD: chunked prefill and the one-token decode update.
 
-Public API (contracts identical to `granite_jax.ssd.ssd_chunked` and `granite_jax.ssd.ssd_step`):
+Public API (the contracts of `granite_jax.ssd.ssd_chunked` and `granite_jax.ssd.ssd_step` for Mamba's inputs, A <= 0
+and processed dt >= 0; other values are not checked and give wrong results, as every exponent is clamped to <= 0):
 
 - `ssd_prefill(x, dt, A, B, C, D, *, chunk_size=256, initial_state=None, dt_bias=None, dt_softplus=False,
   dt_limit=(0, inf), out_dtype=float32, config=None) -> (y (b, L, h, p), final_state (b, h, p, n) float32)`
