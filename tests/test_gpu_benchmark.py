@@ -1,0 +1,37 @@
+"""benchmarks/gpu_ssd.py, the one prepared GPU run: it must work end to end before the device time is spent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_ssd.py")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+
+def run(*args: str, cwd: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, SCRIPT, *args]
+    return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=900)
+
+
+def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
+    out = tmp_path / "results" / "gpu.json"
+    proc = run("--smoke", "--no-layer", "--decode-batches", "1", "--out", str(out), cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["checks_ok"] and all(r.get("ok") for r in doc["results"] if r["kind"] == "check")
+    pairs = {(r["kind"], r["impl"]) for r in doc["speedups"]}
+    assert {("ssd", "pallas"), ("ssd", "pallas_y16"), ("decode", "pallas")} <= pairs
+    for r in doc["speedups"]:
+        assert r["speedup_vs_xla"] == r["xla_us"] / r["us"] > 0
+
+
+def test_unwritable_out_is_refused_before_any_work(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for out, message in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "x.json", "cannot create")):
+        proc = run("--smoke", "--out", str(out), cwd=str(tmp_path))
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert "ssd:" not in proc.stdout  # nothing was measured
