@@ -46,6 +46,7 @@ from granite_jax.experiments.common import (
     model_summary,
     prepare_output_dir,
     random_tokens,
+    set_torch_threads,
     torch_matmul_precision,
     write_json,
 )
@@ -521,12 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model and args.num_layers is not None:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
-        if args.torch_threads is not None:
-            if args.torch_threads < 1:
-                raise ExperimentError("--torch-threads: must be positive")
-            import torch
-
-            torch.set_num_threads(args.torch_threads)
+        set_torch_threads(args.torch_threads, "--torch-threads")
         out = args.out or _default_out(args)
         prepare_output_dir(out, "--out")
         spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)

@@ -730,6 +730,9 @@ def _collect_prompts(args: argparse.Namespace) -> list[str]:
         prompts = [text[:-1] if text.endswith("\n") else text]
     if not prompts:
         raise GenerationError("no prompt: the prompt files are empty")
+    empty = [i + 1 for i, prompt in enumerate(prompts) if not prompt]
+    if empty:  # found before the model load (Generator checks again, for the Python API)
+        raise GenerationError(f"prompt {empty[0]} is empty")
     return prompts
 
 
@@ -761,8 +764,13 @@ def _check_flag_combinations(args: argparse.Namespace) -> None:
         raise GenerationError("--stream and --json exclude each other: --json prints one JSON document at the end")
     if args.system is not None and not args.chat:
         raise GenerationError("--system needs --chat (the system prompt goes into the chat template)")
-    if args.ssd_impl == "pallas" and jax.default_backend() != "gpu":
-        raise GenerationError(f"--ssd-impl pallas needs an NVIDIA GPU; use xla on {jax.default_backend().upper()}")
+    if args.ssd_impl == "pallas":
+        import pallas_kernels
+
+        try:
+            pallas_kernels.check_available()
+        except pallas_kernels.PallasUnavailableError as e:
+            raise GenerationError(f"--ssd-impl: {e}") from None
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -773,9 +781,6 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise GenerationError(f"{args.model}: model directory not found")
     prompts = _collect_prompts(args)
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise GenerationError(f"prompt {i + 1} is empty")
     generator = Generator(
         args.model,
         dtype=args.dtype,

@@ -507,9 +507,7 @@ def _check_room(cache: Cache, T: int) -> None:
     if T > cache.max_len:
         raise ValueError(f"{T} tokens do not fit a KV cache of {cache.max_len} slots")
     if not isinstance(cache.index, jax.core.Tracer) and int(cache.index) + T > cache.max_len:
-        raise ValueError(
-            f"{T} tokens from slot {int(cache.index)} do not fit a KV cache of {cache.max_len} slots"
-        )
+        raise ValueError(f"{T} tokens from slot {int(cache.index)} do not fit a KV cache of {cache.max_len} slots")
 
 
 def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Granite:

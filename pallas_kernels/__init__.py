@@ -26,7 +26,7 @@ kernels through XLA's GPU compiler and Triton for an H100/H200 target without a 
 overflows). See docs/kernels.md for the design, numerics and the GPU benchmark.
 """
 
-from pallas_kernels._call import PallasUnavailableError, cuda_lowering, interpret_mode
+from pallas_kernels._call import PallasUnavailableError, check_available, cuda_lowering, interpret_mode
 from pallas_kernels.decode import DecodeConfig, ssd_decode
 from pallas_kernels.prefill import PrefillConfig, kernel_chunk, ssd_prefill
 
@@ -34,6 +34,7 @@ __all__ = [
     "DecodeConfig",
     "PallasUnavailableError",
     "PrefillConfig",
+    "check_available",
     "cuda_lowering",
     "interpret_mode",
     "kernel_chunk",

@@ -68,6 +68,12 @@ def interpreting() -> bool:
     return (_MODE.get() or _DEFAULT_MODE).interpret
 
 
+def check_available() -> None:
+    """Raise `PallasUnavailableError` unless the kernels can run here: on an NVIDIA GPU, or inside `interpret_mode()`
+    or `cuda_lowering()`. Commands call it before loading a model, so a wrong choice fails at once."""
+    _check_platform(_MODE.get() or _DEFAULT_MODE)
+
+
 def _check_platform(mode: _Mode) -> None:
     if mode.interpret or mode.cuda_lowering:
         return

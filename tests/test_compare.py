@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         (["--config", os.path.join(ROOT, "configs/experiments/parity.py")], "parity.py: not a model config"),
     ]
     if jax.default_backend() != "gpu":
-        bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl 'pallas' needs an NVIDIA GPU"))
+        bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl='pallas' needs an NVIDIA GPU"))
     for args, message in bad_inputs:
         assert compare.main([*args, "--no-speed", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()

@@ -165,7 +165,7 @@ def test_bad_workload_values_rejected(tmp_path):
     if jax.default_backend() != "gpu":
         config = load("configs/experiments/scaling.py", "quick")
         config.workload.ssd_impl = "pallas"
-        with pytest.raises(ExperimentError, match="ssd_impl 'pallas' needs an NVIDIA GPU"):
+        with pytest.raises(ExperimentError, match="ssd_impl='pallas' needs an NVIDIA GPU"):
             experiment.run(config)
 
 

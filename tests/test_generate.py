@@ -371,7 +371,9 @@ def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint):
 def test_cli_pallas_without_a_gpu_is_refused_before_loading(checkpoint):
     out = cli("--model", checkpoint, "--prompt", "hi", "--ssd-impl", "pallas")
     assert out.returncode == 2
-    assert out.stderr.decode().strip() == "error: --ssd-impl pallas needs an NVIDIA GPU; use xla on CPU"
+    err = out.stderr.decode().strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("error: --ssd-impl: ssd_impl='pallas' needs an NVIDIA GPU"), err
 
 
 def test_cli_json_output(checkpoint, generator):

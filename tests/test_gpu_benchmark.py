@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_ssd.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -25,8 +27,10 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
     assert doc["checks_ok"] and all(r.get("ok") for r in doc["results"] if r["kind"] == "check")
     pairs = {(r["kind"], r["impl"]) for r in doc["speedups"]}
     assert {("ssd", "pallas"), ("ssd", "pallas_y16"), ("decode", "pallas")} <= pairs
-    for r in doc["speedups"]:
-        assert r["speedup_vs_xla"] == r["xla_us"] / r["us"] > 0
+    timed = {(r["kind"], r.get("L", r.get("batch")), r["impl"]): r["us"] for r in doc["results"] if "us" in r}
+    for r in doc["speedups"]:  # each pairs a kernel with xla timed at the same section and size
+        assert r["us"] == timed[r["kind"], r["size"], r["impl"]] and r["xla_us"] == timed[r["kind"], r["size"], "xla"]
+        assert r["speedup_vs_xla"] == pytest.approx(r["xla_us"] / r["us"])
 
 
 def test_unwritable_out_is_refused_before_any_work(tmp_path):

@@ -222,6 +222,10 @@ def test_kernels_refuse_to_run_without_a_gpu():
         ssd_decode(state, x, dt, A, B, C, D)
     with pytest.raises(pallas_kernels.PallasUnavailableError, match="needs an NVIDIA GPU"):
         ssd_prefill(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, chunk_size=16)
+    with pytest.raises(pallas_kernels.PallasUnavailableError, match="needs an NVIDIA GPU"):
+        pallas_kernels.check_available()  # what commands ask before loading a model
+    with pallas_kernels.interpret_mode():
+        pallas_kernels.check_available()
 
 
 def test_interpret_mode_poisons_unwritten_outputs():

@@ -333,14 +333,30 @@ def torch_matmul_precision(dtype: str):
 
 
 def check_ssd_impl(ssd_impl: str) -> None:
-    if ssd_impl == "pallas" and jax.default_backend() != "gpu":
-        raise ExperimentError(f"ssd_impl 'pallas' needs an NVIDIA GPU; use 'xla' on {jax.default_backend().upper()}")
+    if ssd_impl == "pallas":
+        import pallas_kernels
+
+        try:
+            pallas_kernels.check_available()
+        except pallas_kernels.PallasUnavailableError as e:
+            raise ExperimentError(str(e)) from None
 
 
 def check_measure(measure) -> None:
-    for name in ("repeats", "warmup"):
-        if name in measure and (isinstance(measure[name], bool) or measure[name] < (1 if name == "repeats" else 0)):
-            raise ExperimentError(f"measure.{name} must be >= {1 if name == 'repeats' else 0}, got {measure[name]}")
+    for name, least in (("repeats", 1), ("warmup", 0)):
+        if name in measure and (isinstance(measure[name], bool) or measure[name] < least):
+            raise ExperimentError(f"measure.{name} must be >= {least}, got {measure[name]}")
+
+
+def set_torch_threads(n: int | None, flag: str) -> None:
+    """torch's intra-op thread count (None: torch's own choice)."""
+    if n is None:
+        return
+    if isinstance(n, bool) or n < 1:
+        raise ExperimentError(f"{flag} must be >= 1, got {n}")
+    import torch
+
+    torch.set_num_threads(n)
 
 
 def prepare_output_dir(out: str, flag: str) -> None:

@@ -29,6 +29,7 @@ from granite_jax.experiments.common import (
     matplotlib_pyplot,
     model_spec,
     model_summary,
+    set_torch_threads,
 )
 
 
@@ -45,12 +46,7 @@ def run(config) -> Result:
     if w.new_tokens < 2:
         raise ExperimentError("workload.new_tokens must be >= 2 to time decoding")
     spec = model_spec(config)
-    if m.get("torch_threads") is not None:
-        if m.torch_threads < 1:
-            raise ExperimentError(f"measure.torch_threads must be >= 1, got {m.torch_threads}")
-        import torch
-
-        torch.set_num_threads(m.torch_threads)
+    set_torch_threads(m.get("torch_threads"), "measure.torch_threads")
     if m.transformers:
         pair = compare.load_pair(spec, dtype=w.dtype, ssd_impl=w.ssd_impl)
     else:
