@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from granite_jax import cpu_matmul
 from granite_jax.config import ATTENTION, MAMBA, ModelConfig
 from granite_jax.ssd import ssd, ssd_step
 
@@ -101,8 +102,8 @@ class Linear(nnx.Module):
     """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint.
 
     The layout is for decoding: XLA:CPU's matrix-vector product contracting W's contiguous last axis runs ~1.35x
-    faster at batch 1 and ~1.45x at batch 8 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at
-    prefill sizes (docs/generation.md).
+    faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes; products
+    of 1-16 rows in float32 on a CPU go to `cpu_matmul`'s kernel (docs/generation.md).
     """
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -111,8 +112,7 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: Array) -> Array:
-        w = self.weight[...].astype(self.dtype)
-        return lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+        return cpu_matmul.linear(x.astype(self.dtype), self.weight[...].astype(self.dtype))
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -494,7 +494,10 @@ class Granite(nnx.Module):
             # copy the whole transposed embedding on every call, which costs more than the product in decoding.
             embedding = self.embed_tokens.embedding[...].astype(self.dtype)
             flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-            logits = lax.dot_general(embedding, flat, (((1,), (1,)), ((), ()))).T.reshape(*x.shape[:-1], -1)
+            if cpu_matmul.uses_kernel(flat, embedding):
+                logits = cpu_matmul.linear(flat, embedding).reshape(*x.shape[:-1], -1)
+            else:
+                logits = lax.dot_general(embedding, flat, (((1,), (1,)), ((), ()))).T.reshape(*x.shape[:-1], -1)
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling

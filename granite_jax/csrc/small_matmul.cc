@@ -1,0 +1,150 @@
+// y = x W^T in float32 for a few rows of x: the products of decoding (granite_jax/cpu_matmul.py).
+//
+// x (M, K) and W (N, K) row-major, y (M, N). For M <= 16 this is bound by reading W once, which XLA:CPU's
+// library GEMMs do not reach on small M (docs/generation.md). Here W is streamed once, a tile of NB rows at a
+// time, each tile multiplied against every row of x (which stays in cache), both operands vectorized along K
+// (AVX2 + FMA, eight float32 lanes), with W prefetched four tiles ahead. The N rows are cut into chunks that the
+// calling thread and XLA's intra-op thread pool claim from one atomic counter.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// y[i, j] = sum_k x[i, k] w[j, k] for MB rows of x and NB rows of w (MB * NB accumulators, NB + 1 live loads).
+// While streaming, touch the same K range of the NB rows at `prefetch` (null: none; never at or past `end`).
+template <int MB, int NB>
+inline void tile(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K, int64_t N,
+                 const char* prefetch, const char* end) {
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
+    if (prefetch != nullptr && (k & 15) == 0) {  // one 64-byte line per row every other step
+      for (int j = 0; j < NB; ++j) {
+        const char* p = prefetch + (j * K + k) * sizeof(float);
+        if (p < end) _mm_prefetch(p, _MM_HINT_T0);
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      __m256 xv = _mm256_loadu_ps(x + i * K + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int j = 0; j < NB; ++j) {
+      float s = horizontal_sum(acc[i][j]);
+      for (int64_t r = k; r < K; ++r) s += x[i * K + r] * w[j * K + r];
+      y[i * N + j] = s;
+    }
+  }
+}
+
+// Every row of x against NB rows of w, four rows of x at a time; only the first group prefetches.
+template <int NB>
+void tile_all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, const char* prefetch,
+                   const char* end) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4, prefetch = nullptr) tile<4, NB>(x + m * K, w, y + m * N, K, N, prefetch, end);
+  switch (M - m) {
+    case 3: tile<3, NB>(x + m * K, w, y + m * N, K, N, prefetch, end); break;
+    case 2: tile<2, NB>(x + m * K, w, y + m * N, K, N, prefetch, end); break;
+    case 1: tile<1, NB>(x + m * K, w, y + m * N, K, N, prefetch, end); break;
+    default: break;
+  }
+}
+
+// Columns [n0, n1) of y.
+template <int NB>
+void columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const char* end = reinterpret_cast<const char*>(w + n1 * K);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) {
+    const char* prefetch = reinterpret_cast<const char*>(w + (n + 4 * NB) * K);
+    tile_all_rows<NB>(x, w + n * K, y + n, M, K, N, prefetch, end);
+  }
+  for (; n < n1; ++n) tile_all_rows<1>(x, w + n * K, y + n, M, K, N, nullptr, end);
+}
+
+struct Work {
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t M, K, N, chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void run() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
+      if (M == 1) {
+        columns<6>(x, w, y, M, K, N, n0, n1);
+      } else {
+        columns<3>(x, w, y, M, K, N, n0, n1);
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  if (w_dims.size() != 2 || x_dims.size() < 1 || x_dims.back() != w_dims[1]) {
+    return ffi::Error::InvalidArgument("small_matmul: expected x (..., K) and w (N, K)");
+  }
+  const int64_t K = w_dims[1], N = w_dims[0];
+  const int64_t M = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
+  float* out = y->typed_data();
+  if (K == 0) {
+    std::fill(out, out + y->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+
+  // Shared with the helper tasks, which may start after this call has finished all chunks itself.
+  auto work = std::make_shared<Work>();
+  work->x = x.typed_data();
+  work->w = w.typed_data();
+  work->y = out;
+  work->M = M;
+  work->K = K;
+  work->N = N;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_chunk = std::max<int64_t>(48, (N + 2 * threads - 1) / (2 * threads));  // ~2 chunks a thread
+  work->chunk = (per_chunk + 5) / 6 * 6;
+  work->chunks = (N + work->chunk - 1) / work->chunk;
+  const int64_t helpers = std::min(threads, work->chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
+  work->run();
+  // Only chunks a helper has already claimed are outstanding, and a claimed chunk is being computed: no deadlock
+  // even when every pool thread is busy elsewhere.
+  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_small_matmul_f32, SmallMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
