@@ -99,22 +99,30 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from granite_jax.experiments.common import ModelSpec
+    from granite_jax.experiments.common import ModelSpec, environment
 
     spec = ModelSpec(checkpoint=args.checkpoint, name=args.shape, num_layers=args.layers)
     rows, floor = measure(spec, args)
+    env = environment()
     bandwidth, floor_tok_s = floor["bandwidth_gb_s"], floor["decode_floor_tok_s"]
     header = (
         f"model: {spec.describe()} ({floor['param_bytes'] / 1e9:.2f} GB of {args.dtype} parameters); prompt "
         f"{args.prompt_len} tokens, {args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
-        + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s"
+        + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s\n"
+        f"decode products on CPU: {env['decode_products']}"
     )
     print(header)
     print(table(rows, floor_tok_s))
     if args.json:
-        doc = dict(model=spec.describe(), args={k: v for k, v in vars(args).items() if k != "json"}, **floor, rows=rows)
+        doc = dict(
+            model=spec.describe(),
+            args={k: v for k, v in vars(args).items() if k != "json"},
+            **floor,
+            rows=rows,
+            environment=env,
+        )
         text = json.dumps(doc, indent=2)
         if args.json == "-":
             print(text)

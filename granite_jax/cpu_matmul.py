@@ -81,6 +81,12 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
+def describe() -> str:
+    """What runs CPU products of MIN_ROWS..MAX_ROWS float32 rows here, for benchmark records."""
+    reason = _load()
+    return f"cpu_matmul kernel ({MIN_ROWS}-{MAX_ROWS} rows, float32)" if reason is None else f"XLA ({reason})"
+
+
 @functools.cache
 def _load() -> str | None:
     reason = _unsupported()

@@ -26,28 +26,35 @@ inline float horizontal_sum(__m256 v) {
 }
 
 // y[i, j] = sum_k x[i, k] w[j, k] for MB rows of x and NB rows of w (MB * NB accumulators, NB + 1 live loads).
-// While streaming, touch the same K range of the NB rows at `prefetch` (null: none; never at or past `end`).
+// While streaming, touch the same K range of the NB rows at `prefetch` (null: none; rows at or past `end` are not
+// prefetched). The prefetches are unconditional, one 64-byte line per row every 16 floats: a branch on them in
+// the loop made the compiler spill the accumulators.
 template <int MB, int NB>
 inline void tile(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K, int64_t N,
                  const char* prefetch, const char* end) {
+  const char* ahead[NB];
+  for (int j = 0; j < NB; ++j) {
+    const char* row = prefetch == nullptr ? nullptr : prefetch + j * K * sizeof(float);
+    ahead[j] = row != nullptr && row < end ? row : reinterpret_cast<const char*>(w + j * K);  // else: own row
+  }
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
+  auto step = [&](int64_t k) {
     __m256 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(w + j * K + k);
-    if (prefetch != nullptr && (k & 15) == 0) {  // one 64-byte line per row every other step
-      for (int j = 0; j < NB; ++j) {
-        const char* p = prefetch + (j * K + k) * sizeof(float);
-        if (p < end) _mm_prefetch(p, _MM_HINT_T0);
-      }
-    }
     for (int i = 0; i < MB; ++i) {
       __m256 xv = _mm256_loadu_ps(x + i * K + k);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    for (int j = 0; j < NB; ++j) _mm_prefetch(ahead[j] + k * sizeof(float), _MM_HINT_T0);
+    step(k);
+    step(k + 8);
   }
+  for (; k + 8 <= K; k += 8) step(k);
   for (int i = 0; i < MB; ++i) {
     for (int j = 0; j < NB; ++j) {
       float s = horizontal_sum(acc[i][j]);
