@@ -4,8 +4,8 @@
     python benchmarks/throughput.py --layers 4 --new-tokens 8 --prompt-len 64   # a quick look
 
 Random weights of a released shape (or --checkpoint), loaded into granite-jax and transformers as `compare` does;
-then, in one run: the memory bandwidth and batch-1 decode floor
-(`granite_jax.experiments.throughput.memory_bandwidth`), and `granite_jax.compare.speed` at every batch size:
+then, in one run: the memory bandwidth (probed before and after the speed runs, best of both) and batch-1 decode
+floor (`granite_jax.experiments.throughput.memory_bandwidth`), and `granite_jax.compare.speed` at every batch size:
 granite-jax through `Generator.measure` (greedy, EOS ignored, compilation excluded) and transformers' `generate`
 with per-token timestamps. The same measurement as `python -m granite_jax.compare` and the throughput experiment;
 this script adds the table and the JSON. Prefill tokens/s = batch * prompt_len / time to first token; decode
@@ -53,13 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per (implementation, batch) and the floor, all measured in this process."""
     from granite_jax import compare
-    from granite_jax.experiments.throughput import decode_floor, memory_bandwidth
+    from granite_jax.experiments.throughput import best_bandwidth, decode_floor, memory_bandwidth
 
     if args.skip_transformers:
         pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
     else:
         pair = compare.load_pair(spec, dtype=args.dtype)
-    floor = decode_floor(pair.jax, memory_bandwidth())
+    before = memory_bandwidth()
     rows = []
     for batch in tqdm(args.batch_sizes, desc="benchmark", unit="batch", file=sys.stderr):
         (s,) = compare.speed(pair, (batch,), args.prompt_len, args.new_tokens, args.repeats)
@@ -74,6 +74,7 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
                         decode_tok_s=t["decode_tokens_per_s"],
                     )
                 )
+    floor = decode_floor(pair.jax, best_bandwidth(before, memory_bandwidth()))  # probed before and after: best
     return sorted(rows, key=lambda r: (r["impl"] != "granite-jax", r["batch"])), floor
 
 

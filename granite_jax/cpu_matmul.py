@@ -8,7 +8,9 @@ other platform, gets `lax.dot_general`.
 
 The kernel is compiled with the system C++ compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or
 ``~/.cache/granite_jax``). Without a compiler, on another CPU, or with ``GRANITE_JAX_CPU_MATMUL=0``, `linear` is
-`lax.dot_general` everywhere; `unavailable_reason()` says why.
+`lax.dot_general` everywhere; `unavailable_reason()` says why. It is not built where JAX's default backend is not the
+CPU; where it is, `lax.platform_dependent` still lowers XLA's product for any other platform (so a function exported
+for several platforms carries both, and its CPU branch needs this module's target registered where it is loaded).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -87,8 +90,16 @@ def describe() -> str:
     return f"cpu_matmul kernel ({MIN_ROWS}-{MAX_ROWS} rows, float32)" if reason is None else f"XLA ({reason})"
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def _load() -> str | None:
+    with _LOCK:  # one build and one registration even when threads trace at once
+        return _build_and_register()
+
+
+@functools.cache
+def _build_and_register() -> str | None:
     reason = _unsupported()
     if reason is None:
         try:
@@ -105,6 +116,8 @@ def _load() -> str | None:
 def _unsupported() -> str | None:
     if os.environ.get("GRANITE_JAX_CPU_MATMUL", "1") == "0":
         return "disabled by GRANITE_JAX_CPU_MATMUL=0"
+    if jax.default_backend() != "cpu":
+        return f"JAX's default backend is {jax.default_backend()}, not cpu"
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"needs Linux on x86-64, this is {platform.system()} on {platform.machine()}"
     flags = _cpu_flags()

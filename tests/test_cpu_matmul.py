@@ -1,5 +1,6 @@
 """The CPU decode-product kernel (granite_jax.cpu_matmul) against float64, and where it is and is not used."""
 
+import json
 import os
 import subprocess
 import sys
@@ -108,3 +109,27 @@ def test_build_is_cached(tmp_path):
     stamp = library.stat().st_mtime_ns
     assert _reason_in_subprocess(tmp_path) == "None"
     assert library.stat().st_mtime_ns == stamp
+
+
+BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "cpu_matmul.py")
+
+
+def test_benchmark_script_times_every_weight_shape(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, BENCHMARK, "--rows", "2,9", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    shapes = {(r["out"], r["inp"]) for r in doc["results"]}
+    # h-350m: Mamba in/out, attention q/k/v/o, shared-MLP in/out and the tied head (vocab x hidden)
+    assert {(3376, 768), (768, 1536), (768, 768), (256, 768), (4096, 768), (768, 2048), (100352, 768)} <= shapes
+    assert sorted({r["rows"] for r in doc["results"]}) == [2, 9]
+    assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["results"])
+    assert doc["environment"]["decode_products"].startswith("cpu_matmul kernel")
+    assert "| 100352 x 768 | 9 |" in proc.stdout
+
+
+def test_benchmark_script_refuses_bad_arguments(tmp_path):
+    for args, message in ((["--rows", "2,x"], "--rows"), (["--json", str(tmp_path / "no" / "x.json")], "--json")):
+        proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
