@@ -106,12 +106,16 @@ def ssd_reference(
 def segsum(a: Array) -> Array:
     """out[..., i, j] = a[..., j+1] + ... + a[..., i] for i >= j, -inf above the diagonal.
 
-    Summed with a masked cumsum rather than as a difference of cumsums, so long chunks of fast-decaying heads keep
-    their precision (transformers' `segment_sum`).
+    Each entry sums only its own segment (a masked cumulative sum, written as a product with a lower-triangular matrix
+    of ones) rather than being a difference of cumsums, so long chunks of fast-decaying heads keep their precision
+    (transformers' `segment_sum`). As a product because XLA:CPU lowers a cumsum over the chunk axis to a reduce-window:
+    512-token prefill of the h-350m shape went from 147.5 to 164.4 tok/s (same process, interleaved, 2026-11-29).
     """
     t = a.shape[-1]
     strictly_lower = jnp.tril(jnp.ones((t, t), bool), -1)
-    sums = jnp.cumsum(jnp.where(strictly_lower, a[..., :, None], 0.0), axis=-2)
+    masked = jnp.where(strictly_lower, a[..., :, None], 0.0)  # masked[..., k, j] = a[k] for k > j
+    ones = jnp.tril(jnp.ones((t, t), a.dtype))  # ones[i, k] = 1 for k <= i
+    sums = jnp.einsum("ik,...kj->...ij", ones, masked, precision=_HIGHEST)
     return jnp.where(jnp.tril(jnp.ones((t, t), bool)), sums, -jnp.inf)
 
 
