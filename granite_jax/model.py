@@ -103,7 +103,7 @@ class Linear(nnx.Module):
 
     The layout is for decoding: XLA:CPU's matrix-vector product contracting W's contiguous last axis runs ~1.35x
     faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes; products
-    of 1-16 rows in float32 on a CPU go to `cpu_matmul`'s kernel (docs/generation.md).
+    of 2-16 rows in float32 on a CPU go to `cpu_matmul`'s kernel (docs/generation.md).
     """
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -490,14 +490,10 @@ class Granite(nnx.Module):
         """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""
         x = self.norm(x)
         if self.lm_head is None:
-            # Tied: contract in the embedding's own (V, H) layout. `x @ embedding.T` (Embed.attend) makes XLA:CPU
-            # copy the whole transposed embedding on every call, which costs more than the product in decoding.
-            embedding = self.embed_tokens.embedding[...].astype(self.dtype)
-            flat = x.reshape(-1, x.shape[-1]).astype(self.dtype)
-            if cpu_matmul.uses_kernel(flat, embedding):
-                logits = cpu_matmul.linear(flat, embedding).reshape(*x.shape[:-1], -1)
-            else:
-                logits = lax.dot_general(embedding, flat, (((1,), (1,)), ((), ()))).T.reshape(*x.shape[:-1], -1)
+            # Tied: contract the (V, H) embedding over its contiguous axis, as `Linear` does. `x @ embedding.T`
+            # (Embed.attend) made XLA:CPU copy the whole transposed embedding on every call, which costs more than the
+            # product in decoding.
+            logits = cpu_matmul.linear(x.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling

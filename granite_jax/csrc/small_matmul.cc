@@ -18,6 +18,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int NB_ROWS = 3;  // rows of W per tile: 4 x 3 accumulators + 3 W + 1 x registers fill AVX2's 16
+
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -100,11 +102,7 @@ struct Work {
   void run() {
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-      if (M == 1) {
-        columns<6>(x, w, y, M, K, N, n0, n1);
-      } else {
-        columns<3>(x, w, y, M, K, N, n0, n1);
-      }
+      columns<NB_ROWS>(x, w, y, M, K, N, n0, n1);
       done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -136,7 +134,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   work->N = N;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_chunk = std::max<int64_t>(48, (N + 2 * threads - 1) / (2 * threads));  // ~2 chunks a thread
-  work->chunk = (per_chunk + 5) / 6 * 6;
+  work->chunk = (per_chunk + NB_ROWS - 1) / NB_ROWS * NB_ROWS;
   work->chunks = (N + work->chunk - 1) / work->chunk;
   const int64_t helpers = std::min(threads, work->chunks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
