@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
         + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s\n"
-        f"decode products on CPU: {env['decode_products']}"
+        f"CPU kernels: {env['cpu_kernels']}"
     )
     print(header)
     print(table(rows, floor_tok_s))

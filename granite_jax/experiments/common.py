@@ -195,7 +195,7 @@ def sweep_lengths(seq_lens: Sequence[int] | None, seq_len: int, start: int = 256
 def environment() -> dict[str, Any]:
     import flax
 
-    from granite_jax import cpu_matmul
+    from granite_jax import cpu_kernels
 
     device = jax.devices()[0]
     return dict(
@@ -208,7 +208,7 @@ def environment() -> dict[str, Any]:
         python=platform.python_version(),
         platform=platform.platform(),
         load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
-        decode_products=cpu_matmul.describe(),
+        cpu_kernels=cpu_kernels.describe(),
     )
 
 

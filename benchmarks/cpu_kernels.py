@@ -1,0 +1,192 @@
+"""granite_jax.cpu_kernels against XLA on this CPU, for a released model's decode shapes.
+
+    python benchmarks/cpu_kernels.py                             # h-350m's shapes, 1-16 rows
+    python benchmarks/cpu_kernels.py --rows 8 --json out.json
+
+Products: for every distinct (out, in) weight shape of the model (and the tied head), a jitted chain of products
+against enough different weight matrices to overflow the caches, so each product reads its weights from memory as in
+a decode step. `linear` only sends MIN_ROWS..MAX_ROWS rows to the kernel; the other row counts show why. Prints GB/s
+of weights read. State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and
+written by the update (the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed
+alternately in one run, best of --repeats, and the ratio printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--shape", default="granite-4.0-h-350m", help="weight shapes of this released architecture")
+    p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)")
+    p.add_argument("--chain-mib", type=int, default=192, help="weights read per timed call, MiB (beyond the caches)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best kept)")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+    if min(args.rows) < 1 or args.chain_mib < 1 or args.repeats < 1:
+        p.error("need rows >= 1, --chain-mib >= 1 and --repeats >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: the parent directory does not exist")
+    return args
+
+
+def weight_shapes(name: str) -> list[tuple[int, int]]:
+    """Distinct (out, in) shapes of the model's Linear weights and its output head."""
+    from flax import nnx
+
+    from granite_jax.model import Granite, Linear, abstract_model
+    from granite_jax.presets import released_config
+
+    cfg = released_config(name)
+    model: Granite = abstract_model(cfg)
+    shapes = {tuple(m.weight.shape) for _, m in nnx.iter_graph(model) if isinstance(m, Linear)}
+    shapes.add((cfg.vocab_size, cfg.hidden_size))
+    return sorted(shapes)
+
+
+def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -> dict[str, Any]:
+    import jax
+    import numpy as np
+
+    from granite_jax import cpu_kernels
+
+    n, k = shape
+    count = max(1, -(-chain_bytes // (n * k * 4)))
+    rng = np.random.default_rng(0)
+    weights = [jax.device_put(rng.standard_normal((n, k), np.float32)) for _ in range(count)]
+    x = jax.device_put(rng.standard_normal((rows, k), np.float32))
+    fns = {
+        "kernel": jax.jit(lambda x, ws: sum(cpu_kernels._kernel(x, w) for w in ws)),
+        "xla": jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws)),
+    }
+    best = best_times(fns, (x, weights), repeats)
+    read = count * n * k * 4
+    return dict(
+        out=n,
+        inp=k,
+        rows=rows,
+        matrices=count,
+        kernel_gb_s=read / best["kernel"] / 1e9,
+        xla_gb_s=read / best["xla"] / 1e9,
+        kernel_vs_xla=best["xla"] / best["kernel"],
+    )
+
+
+def best_times(fns: dict[str, Any], args: tuple, repeats: int) -> dict[str, float]:
+    """Best wall time of each function on args, calls alternated so that all see the same machine."""
+    import jax
+
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
+    """One token through every Mamba layer's state at this batch size: kernel vs XLA."""
+    import jax
+    import numpy as np
+
+    from granite_jax import cpu_kernels
+    from granite_jax.presets import released_config
+
+    cfg = released_config(name)
+    layers = sum(kind == "mamba" for kind in cfg.layer_types)
+    h, p, n, g = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
+    rng = np.random.default_rng(0)
+    states = [jax.device_put(rng.standard_normal((batch, h, p, n), np.float32)) for _ in range(layers)]
+    decay = jax.device_put(rng.uniform(0.5, 1.0, (batch, h)).astype(np.float32))
+    dtx = jax.device_put(rng.standard_normal((batch, h, p), np.float32))
+    B, C = (jax.device_put(rng.standard_normal((batch, g, n), np.float32)) for _ in range(2))
+
+    def chain(update):  # the states donated and returned, updated in place as in a decode step
+        return jax.jit(lambda ss, *a: [update(s, *a) for s in ss], donate_argnums=0)
+
+    fns = {"kernel": chain(cpu_kernels._ssm_kernel), "xla": chain(cpu_kernels._ssm_update_xla)}
+    carried = {name: [jax.numpy.array(s) for s in states] for name in fns}  # own copies: each chain donates its own
+    best = dict.fromkeys(fns, float("inf"))
+    for i in range(repeats + 1):  # the first call compiles
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            carried[name] = [s for s, _ in jax.block_until_ready(fn(carried[name], decay, dtx, B, C))]
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    moved = 2 * layers * batch * h * p * n * 4  # the state read and written once
+    return dict(
+        batch=batch,
+        layers=layers,
+        state_shape=[batch, h, p, n],
+        kernel_gb_s=moved / best["kernel"] / 1e9,
+        xla_gb_s=moved / best["xla"] / 1e9,
+        kernel_vs_xla=best["xla"] / best["kernel"],
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from granite_jax import cpu_kernels
+
+    if not cpu_kernels.available():
+        print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
+        return 2
+    shapes = weight_shapes(args.shape)
+    work = [(s, r) for s in shapes for r in args.rows]
+    results = [
+        measure(s, r, args.chain_mib << 20, args.repeats)
+        for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
+    ]
+    print(
+        f"{args.shape} weight shapes, float32; GB/s of weights read (kernel used for rows "
+        f"{cpu_kernels.MIN_ROWS}-{cpu_kernels.MAX_ROWS})"
+    )
+    print("| W (out x in) | rows | kernel GB/s | XLA GB/s | kernel / XLA |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(
+            f"| {r['out']} x {r['inp']} | {r['rows']} | {r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | "
+            f"{r['kernel_vs_xla']:.2f}x |"
+        )
+    updates = [
+        measure_state_update(args.shape, r, args.repeats)
+        for r in tqdm(args.rows, desc="state update", unit="batch", file=sys.stderr)
+    ]
+    print(f"\n{args.shape} Mamba state update, one token through all {updates[0]['layers']} layers; GB/s of state")
+    print("| batch | state (b, h, p, n) | kernel GB/s | XLA GB/s | kernel / XLA |")
+    print("|---|---|---|---|---|")
+    for r in updates:
+        shape = ", ".join(map(str, r["state_shape"]))
+        rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
+        print(f"| {r['batch']} | ({shape}) | {rates} |")
+    if args.json:
+        from granite_jax.experiments.common import environment
+
+        doc = dict(args=vars(args), results=results, state_update=updates, environment=environment())
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

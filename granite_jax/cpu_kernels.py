@@ -1,0 +1,209 @@
+"""CPU kernels for the two memory-bound parts of a decode step, where XLA:CPU leaves bandwidth unused.
+
+- `linear`: y = x W^T for the few rows of a decode step. Decoding multiplies 1-16 rows of activations by every weight
+  matrix, once per token: the step is bound by reading the weights. XLA:CPU reaches that bound at one row but runs
+  2-16 rows as library GEMMs at a third of the memory bandwidth (docs/generation.md). Float32 products of 2-16 rows go
+  to `csrc/small_matmul.cc`, which streams W once.
+- `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
+  as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
+  writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
+
+Both are XLA FFI custom calls for x86-64 CPUs with AVX2 and FMA, compiled into one library with the system C++
+compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or ``~/.cache/granite_jax``). Without a compiler, on
+another CPU, or with ``GRANITE_JAX_CPU_KERNELS=0``, every call is XLA's; `unavailable_reason()` says why. They are not
+built where JAX's default backend is not the CPU; where they are, `lax.platform_dependent` still lowers XLA's version
+for any other platform (so a function exported for several platforms carries both, and its CPU branch needs this
+module's targets registered where it is loaded).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Array = jax.Array
+
+MIN_ROWS, MAX_ROWS = 2, 16  # other products are left to XLA: one row (its matrix-vector product is fast), prefill
+TARGET = "granite_small_matmul_f32"
+SSM_TARGET = "granite_ssm_update_f32"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+
+log = logging.getLogger(__name__)
+
+
+def dot(x: Array, w: Array) -> Array:
+    """x (..., K) contracted with w (N, K) over K: (..., N), by XLA."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def linear(x: Array, w: Array) -> Array:
+    """x (..., K) @ w (N, K)^T -> (..., N): the CPU kernel for float32 products of MIN_ROWS..MAX_ROWS rows, else XLA."""
+    if not uses_kernel(x, w):
+        return dot(x, w)
+    # Chosen when lowering: the kernel on CPU, XLA's product on every other platform.
+    return lax.platform_dependent(x, w, cpu=_kernel, default=dot)
+
+
+def uses_kernel(x: Array, w: Array) -> bool:
+    """Whether `linear(x, w)` runs the kernel when lowered for a CPU."""
+    rows = math.prod(x.shape[:-1])
+    return x.dtype == w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and available()
+
+
+@jax.custom_jvp
+def _kernel(x: Array, w: Array) -> Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+
+
+@_kernel.defjvp
+def _kernel_jvp(primals, tangents):
+    # The product is bilinear; its tangent is written with XLA products, which JAX can transpose (gradients).
+    (x, w), (dx, dw) = primals, tangents
+    return _kernel(x, w), dot(dx, w) + dot(x, dw)
+
+
+def ssm_update(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tuple[Array, Array]:
+    """The state update of one token of the Mamba-2 recurrence (`ssd.ssd_step` adds D x and calls this).
+
+    state (b, h, p, n), decay (b, h), dtx = dt * x (b, h, p), B and C (b, g, n) with g dividing h. Returns the new
+    state and y = new_state . C (b, h, p). All float32 on a CPU: the kernel (updating the state buffer in place);
+    otherwise XLA.
+    """
+    if not all(t.dtype == jnp.float32 for t in (state, decay, dtx, B, C)) or not available():
+        return _ssm_update_xla(state, decay, dtx, B, C)
+    return lax.platform_dependent(state, decay, dtx, B, C, cpu=_ssm_kernel, default=_ssm_update_xla)
+
+
+def _ssm_update_xla(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tuple[Array, Array]:
+    h, g = state.shape[1], B.shape[1]
+    Bh, Ch = (jnp.repeat(t, h // g, axis=1) for t in (B, C))
+    state = state * decay[:, :, None, None] + jnp.einsum("bhp,bhn->bhpn", dtx, Bh, precision=lax.Precision.HIGHEST)
+    return state, jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=lax.Precision.HIGHEST)
+
+
+@jax.custom_jvp
+def _ssm_kernel(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tuple[Array, Array]:
+    outs = (jax.ShapeDtypeStruct(state.shape, jnp.float32), jax.ShapeDtypeStruct(dtx.shape, jnp.float32))
+    call = jax.ffi.ffi_call(SSM_TARGET, outs, input_output_aliases={0: 0}, vmap_method="sequential")
+    return call(state, decay, dtx, B, C)
+
+
+@_ssm_kernel.defjvp
+def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that JAX can transpose it (gradients)
+    return _ssm_kernel(*primals), jax.jvp(_ssm_update_xla, primals, tangents)[1]
+
+
+def available() -> bool:
+    """Whether `linear` and `ssm_update` can use the kernels here (compiles and loads them on the first call)."""
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels are not used (None when they are)."""
+    return _load()
+
+
+def describe() -> str:
+    """What runs the decode products and the Mamba state update on CPUs here, for benchmark records."""
+    reason = _load()
+    if reason is not None:
+        return f"XLA ({reason})"
+    return f"cpu_kernels: products of {MIN_ROWS}-{MAX_ROWS} float32 rows, Mamba state update"
+
+
+_LOCK = threading.Lock()
+
+
+def _load() -> str | None:
+    with _LOCK:  # one build and one registration even when threads trace at once
+        return _build_and_register()
+
+
+@functools.cache
+def _build_and_register() -> str | None:
+    reason = _unsupported()
+    if reason is not None:
+        log.info("granite_jax.cpu_kernels: using XLA (%s)", reason)
+        return reason
+    try:
+        library = ctypes.CDLL(str(_compiled_library()))
+        for target in (TARGET, SSM_TARGET):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+    except (OSError, subprocess.CalledProcessError, AttributeError) as e:
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+        reason = f"could not build or load {_names()}: {detail[-1] if detail else type(e).__name__}"
+        log.warning("granite_jax.cpu_kernels: using XLA (%s)", reason)  # expected to work here: say so
+    return reason
+
+
+def _unsupported() -> str | None:
+    if os.environ.get("GRANITE_JAX_CPU_KERNELS", "1") == "0":
+        return "disabled by GRANITE_JAX_CPU_KERNELS=0"
+    if jax.default_backend() != "cpu":
+        return f"JAX's default backend is {jax.default_backend()}, not cpu"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs Linux on x86-64, this is {platform.system()} on {platform.machine()}"
+    flags = _cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        return "the CPU lacks AVX2 or FMA"
+    if _compiler() is None:
+        return "no C++ compiler (set CXX, or install g++)"
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++"))), None)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GRANITE_JAX_CACHE_DIR") or Path.home() / ".cache" / "granite_jax")
+
+
+def _names() -> str:
+    return " + ".join(source.name for source in SOURCES)
+
+
+def _compiled_library() -> Path:
+    """The kernels' shared library, compiled once per (sources, flags, compiler, jaxlib) and reused."""
+    compiler = _compiler()
+    include = jax.ffi.include_dir()
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, str(compiler), jax.__version__, include]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("granite_jax.cpu_kernels: compiling %s -> %s", _names(), target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then an atomic rename: safe with parallel builds
+        built = Path(tmp) / target.name
+        cmd = [compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(built)]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        os.replace(built, target)
+    return target

@@ -1,0 +1,223 @@
+"""The CPU decode kernels (granite_jax.cpu_kernels) against float64, and where they are and are not used."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from granite_jax import cpu_kernels
+from granite_jax.ssd import ssd_reference, ssd_step
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernels._unsupported() is not None, reason=f"kernel unsupported here: {cpu_kernels._unsupported()}"
+)
+
+
+def operands(rows: tuple[int, ...], k: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((*rows, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+
+
+def lowered(fn, *args, platform: str = "cpu") -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_kernel_builds_on_this_machine():
+    # Where the CPU and compiler allow it (the pytestmark), the kernel must load: a silent fallback would hide a
+    # broken build behind XLA's products.
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+# Row counts 2..16 (also as (b, 1) leading dims), K with and without a multiple-of-8 tail, N with and without a
+# multiple of the 3- and 6-row tiles, N larger than one thread chunk.
+@pytest.mark.parametrize(
+    "rows,k,n",
+    [((2,), 8, 3), ((3,), 13, 7), ((4,), 1, 1), ((5,), 64, 200), ((8, 1), 768, 301), ((16,), 100, 2), ((7, 2), 9, 50)],
+)
+def test_matches_float64(rows, k, n):
+    x, w = operands(rows, k, n)
+    assert cpu_kernels.uses_kernel(x, w)
+    assert cpu_kernels.TARGET in lowered(cpu_kernels.linear, x, w)
+    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # error bound of a float32 dot product
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30)
+
+
+def test_empty_contraction_gives_zeros():
+    x, w = np.ones((3, 0), np.float32), np.ones((5, 0), np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.linear)(x, w)), np.zeros((3, 5), np.float32))
+
+
+@pytest.mark.parametrize(
+    "rows,dtype",
+    [((1,), jnp.float32), ((17,), jnp.float32), ((4, 8), jnp.float32), ((8,), jnp.bfloat16), ((8,), jnp.float16)],
+)
+def test_other_products_stay_with_xla(rows, dtype):
+    # One row (XLA's matrix-vector product is fast), more than MAX_ROWS rows (prefill, training), other dtypes.
+    x, w = (jnp.asarray(a, dtype) for a in operands(rows, 32, 24))
+    assert not cpu_kernels.uses_kernel(x, w)
+    assert cpu_kernels.TARGET not in lowered(cpu_kernels.linear, x, w)
+    got = np.asarray(cpu_kernels.linear(x, w), np.float64)
+    x64, w64 = (np.asarray(t, np.float64) for t in (x, w))
+    tolerance = 1e-5 if dtype == jnp.float32 else 3e-2  # 16-bit outputs are rounded to 8 or 11 significant bits
+    assert np.all(np.abs(got - x64 @ w64.T) <= tolerance * (np.abs(x64) @ np.abs(w64).T))
+
+
+def test_other_platforms_get_xla_products():
+    x, w = operands((8,), 32, 24)
+    text = lowered(cpu_kernels.linear, x, w, platform="cuda")
+    assert cpu_kernels.TARGET not in text and "dot_general" in text
+
+
+def test_gradients_and_vmap():
+    x, w = operands((4,), 40, 24)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernels.linear(x, w))), argnums=(0, 1)))(x, w)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    upstream = np.cos(x64 @ w64.T)  # d sum(sin(y)) / dy, y = x w^T
+    for got, want in zip(grads, (upstream @ w64, upstream.T @ x64)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+    xs = np.stack([x, 2 * x, -x])
+    batched = jax.jit(jax.vmap(cpu_kernels.linear, in_axes=(0, None)))(xs, w)
+    np.testing.assert_allclose(np.asarray(batched), np.einsum("bmk,nk->bmn", xs, w), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- Mamba state update
+
+
+def ssm_inputs(b, L, h, p, g, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(
+        state=rng.standard_normal((b, h, p, n)),
+        x=rng.standard_normal((b, L, h, p)),
+        dt=np.log1p(np.exp(rng.standard_normal((b, L, h)))),
+        A=-np.exp(rng.standard_normal(h)),
+        B=rng.standard_normal((b, L, g, n)),
+        C=rng.standard_normal((b, L, g, n)),
+        D=rng.standard_normal(h),
+    )
+
+
+def float64_tokens(inputs):
+    """ssd_reference in float64 over the inputs' L tokens, from their state."""
+    with jax.enable_x64(True):
+        f64 = {k: jnp.asarray(v, jnp.float64) for k, v in inputs.items()}
+        y, s = ssd_reference(**{k: v for k, v in f64.items() if k != "state"}, initial_state=f64["state"])
+        return np.asarray(y), np.asarray(s)
+
+
+def step_args(inputs, t):
+    f32 = {k: np.asarray(v, np.float32) for k, v in inputs.items()}
+    return f32["x"][:, t], f32["dt"][:, t], f32["A"], f32["B"][:, t], f32["C"][:, t], f32["D"]
+
+
+def rel(a, b):
+    return np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()
+
+
+# h-350m's heads; a state size with a tail past the 16-float loop and g > 1; one smaller than a vector.
+@pytest.mark.parametrize("b,h,p,g,n", [(8, 48, 32, 1, 128), (3, 6, 5, 3, 21), (2, 4, 1, 1, 7)])
+def test_state_update_matches_float64(b, h, p, g, n):
+    inputs = ssm_inputs(b, 1, h, p, g, n)
+    state = np.asarray(inputs["state"], np.float32)
+    assert cpu_kernels.SSM_TARGET in lowered(ssd_step, state, *step_args(inputs, 0))
+    y, s = jax.jit(ssd_step)(state, *step_args(inputs, 0))
+    y_ref, s_ref = float64_tokens(inputs)
+    assert y.dtype == s.dtype == jnp.float32
+    assert rel(y, y_ref[:, 0]) < 1e-6 and rel(s, s_ref) < 1e-6
+
+
+def test_state_update_in_place_over_several_tokens():
+    # The decode loop: the state donated to each step and updated in the same buffer.
+    inputs = ssm_inputs(2, 6, 4, 8, 2, 16, seed=1)
+    step = jax.jit(ssd_step, donate_argnums=0)
+    state, ys = jnp.asarray(inputs["state"], jnp.float32), []
+    for t in range(6):
+        y, state = step(state, *step_args(inputs, t))
+        ys.append(y)
+    y_ref, s_ref = float64_tokens(inputs)
+    assert rel(np.stack(ys, 1), y_ref) < 1e-6 and rel(state, s_ref) < 1e-6
+
+
+def test_state_update_elsewhere_is_xla():
+    inputs = ssm_inputs(2, 1, 4, 8, 1, 16)
+    state = np.asarray(inputs["state"], np.float32)
+    text = lowered(ssd_step, state, *step_args(inputs, 0), platform="cuda")
+    assert cpu_kernels.SSM_TARGET not in text
+    with jax.enable_x64(True):  # float64 (the tests' oracles) is XLA's
+        f64 = [np.asarray(a, np.float64) for a in (state, *step_args(inputs, 0))]
+        assert cpu_kernels.SSM_TARGET not in lowered(ssd_step, *f64)
+
+
+def test_state_update_gradients():
+    inputs = ssm_inputs(2, 1, 4, 8, 2, 16, seed=2)
+    state = np.asarray(inputs["state"], np.float32)
+    args = step_args(inputs, 0)
+
+    def loss(state, x, rest):
+        y, s = ssd_step(state, x, *rest)
+        return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(s))
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, args[0], args[1:])
+    with jax.enable_x64(True):  # the same loss in float64, where ssd_step is XLA's
+        args64 = [jnp.asarray(a, jnp.float64) for a in (state, *args)]
+        want = jax.grad(loss, argnums=(0, 1))(args64[0], args64[1], args64[2:])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+
+
+def _reason_in_subprocess(tmp_path, **env) -> str:
+    code = "from granite_jax import cpu_kernels; print(cpu_kernels.unavailable_reason())"
+    env = {**os.environ, "GRANITE_JAX_CACHE_DIR": str(tmp_path / "cache"), **env}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_disabled_by_environment(tmp_path):
+    assert "GRANITE_JAX_CPU_KERNELS=0" in _reason_in_subprocess(tmp_path, GRANITE_JAX_CPU_KERNELS="0")
+
+
+def test_failed_build_falls_back_with_a_reason(tmp_path):
+    reason = _reason_in_subprocess(tmp_path, CXX="/bin/false")
+    assert reason.startswith("could not build or load small_matmul.cc + ssm_update.cc"), reason
+    assert not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_build_is_cached(tmp_path):
+    assert _reason_in_subprocess(tmp_path) == "None"
+    (library,) = (tmp_path / "cache").glob("cpu_kernels-*.so")
+    stamp = library.stat().st_mtime_ns
+    assert _reason_in_subprocess(tmp_path) == "None"
+    assert library.stat().st_mtime_ns == stamp
+
+
+BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "cpu_kernels.py")
+
+
+def test_benchmark_script_times_every_weight_shape(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, BENCHMARK, "--rows", "2,9", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    shapes = {(r["out"], r["inp"]) for r in doc["results"]}
+    # h-350m: Mamba in/out, attention q/k/v/o, shared-MLP in/out and the tied head (vocab x hidden)
+    assert {(3376, 768), (768, 1536), (768, 768), (256, 768), (4096, 768), (768, 2048), (100352, 768)} <= shapes
+    assert sorted({r["rows"] for r in doc["results"]}) == [2, 9]
+    assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["results"])
+    assert doc["environment"]["cpu_kernels"].startswith("cpu_kernels:")
+    assert [r["batch"] for r in doc["state_update"]] == [2, 9]
+    assert all(r["layers"] == 28 and r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["state_update"])
+    assert "| 100352 x 768 | 9 |" in proc.stdout
+
+
+def test_benchmark_script_refuses_bad_arguments(tmp_path):
+    for args, message in ((["--rows", "2,x"], "--rows"), (["--json", str(tmp_path / "no" / "x.json")], "--json")):
+        proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
