@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from granite_jax.ssd import ssd, ssd_chunked, ssd_reference, ssd_step, xla_chunk_size
+from granite_jax.ssd import segsum, ssd, ssd_chunked, ssd_reference, ssd_step, xla_chunk_size
 
 
 def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
@@ -76,6 +76,33 @@ def test_fast_decaying_heads_stay_finite_and_exact(impl):
     inputs = random_inputs(rng, 1, 64, 4, 8, 1, 16, dt_scale=30.0)  # dt * |A| up to ~100 per step
     y_ref, s_ref = float64_reference(inputs, None)
     y, s = ssd(**{k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}, chunk_size=32, impl=impl)
+    assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
+
+
+@pytest.mark.parametrize("t", [9, 64, 128, 256])  # direct sums below 128 positions, blocked from 128
+def test_segment_sums_are_sums_of_their_own_segments(t):
+    # Every entry as accurate as summing its own segment, even where the chunk's running sum is thousands of times
+    # larger (a difference of cumsums would lose ~1e-4 relative here), so exp(segsum) keeps full precision.
+    rng = np.random.default_rng(t)
+    a = -np.abs(rng.standard_normal((2, 3, t))) * rng.choice([0.01, 30.0], (2, 3, t))
+    want = np.full((2, 3, t, t), -np.inf)
+    for i in range(t):
+        for j in range(i + 1):
+            want[..., i, j] = a[..., j + 1 : i + 1].sum(-1)
+    got = np.asarray(segsum(jnp.asarray(a, jnp.float32)), np.float64)
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all()
+    segment_size = np.abs(want[finite]) + np.abs(a).max()  # the terms of one segment, not the whole chunk
+    assert (np.abs(got[finite] - want[finite]) <= 1e-6 * segment_size).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "naive"])
+def test_fast_decaying_heads_in_256_token_chunks(impl):
+    rng = np.random.default_rng(8)
+    inputs = random_inputs(rng, 1, 300, 4, 8, 1, 16, dt_scale=30.0)
+    y_ref, s_ref = float64_reference(inputs, None)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    y, s = (ssd_chunked(**f32, chunk_size=256) if impl == "xla" else ssd(**f32, chunk_size=256, impl=impl))
     assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
 
 
