@@ -41,6 +41,7 @@ MIN_ROWS, MAX_ROWS = 2, 16  # other products are left to XLA: one row (its matri
 TARGET = "granite_small_matmul_f32"
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
+HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ def _compiled_library() -> Path:
     """The kernels' shared library, compiled once per (sources, flags, compiler, jaxlib) and reused."""
     compiler = _compiler()
     include = jax.ffi.include_dir()
-    texts = [source.read_text() for source in SOURCES]
+    texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*texts, *FLAGS, str(compiler), jax.__version__, include]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():

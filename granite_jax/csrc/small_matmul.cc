@@ -4,28 +4,22 @@
 // library GEMMs do not reach on small M (docs/generation.md). Here W is streamed once, a tile of NB rows at a
 // time, each tile multiplied against every row of x (which stays in cache), both operands vectorized along K
 // (AVX2 + FMA, eight float32 lanes), with W prefetched four tiles ahead. The N rows are cut into chunks that the
-// calling thread and XLA's intra-op thread pool claim from one atomic counter.
+// calling thread and XLA's intra-op thread pool share (parallel.h).
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int NB_ROWS = 3;  // rows of W per tile: 4 x 3 accumulators + 3 W + 1 x registers fill AVX2's 16
+using granite::horizontal_sum;
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+constexpr int NB_ROWS = 3;  // rows of W per tile: 4 x 3 accumulators + 3 W + 1 x registers fill AVX2's 16
 
 // y[i, j] = sum_k x[i, k] w[j, k] for MB rows of x and NB rows of w (MB * NB accumulators, NB + 1 live loads).
 // While streaming, touch the same K range of the NB rows at `prefetch` (null: none; rows at or past `end` are not
@@ -92,22 +86,6 @@ void columns(const float* x, const float* w, float* y, int64_t M, int64_t K, int
   for (; n < n1; ++n) tile_all_rows<1>(x, w + n * K, y + n, M, K, N, nullptr, end);
 }
 
-struct Work {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, N, chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      int64_t n0 = c * chunk, n1 = std::min(N, n0 + chunk);
-      columns<NB_ROWS>(x, w, y, M, K, N, n0, n1);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                        ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
@@ -124,24 +102,14 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   }
   if (M == 0 || N == 0) return ffi::Error::Success();
 
-  // Shared with the helper tasks, which may start after this call has finished all chunks itself.
-  auto work = std::make_shared<Work>();
-  work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = out;
-  work->M = M;
-  work->K = K;
-  work->N = N;
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_chunk = std::max<int64_t>(48, (N + 2 * threads - 1) / (2 * threads));  // ~2 chunks a thread
-  work->chunk = (per_chunk + NB_ROWS - 1) / NB_ROWS * NB_ROWS;
-  work->chunks = (N + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min(threads, work->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  // Only chunks a helper has already claimed are outstanding, and a claimed chunk is being computed: no deadlock
-  // even when every pool thread is busy elsewhere.
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  const int64_t chunk = (per_chunk + NB_ROWS - 1) / NB_ROWS * NB_ROWS;
+  granite::parallel_chunks(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+    columns<NB_ROWS>(xs, ws, out, M, K, N, c * chunk, std::min(N, (c + 1) * chunk));
+  });
   return ffi::Error::Success();
 }
 

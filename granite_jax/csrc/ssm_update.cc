@@ -5,26 +5,20 @@
 //   y[b, h, p]         = state[b, h, p, :] . C[b, g, :]
 // (Dao & Gu 2024, eq. 2 discretized as in transformers' granitemoehybrid torch_forward). XLA runs this as an
 // update that reads and writes the state and a product that reads it again; here each (b, h) slab of state is
-// read and written once, the (b, h) pairs split between the calling thread and XLA's intra-op pool.
+// read and written once, the (b, h) pairs split between the calling thread and XLA's intra-op pool (parallel.h).
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using granite::horizontal_sum;
 
 // One (b, h) slab: P rows of N state entries.
 void update_slab(float* __restrict state, const float* __restrict dtx, float decay, const float* __restrict B,
@@ -51,25 +45,6 @@ void update_slab(float* __restrict state, const float* __restrict dtx, float dec
   }
 }
 
-struct Work {
-  float* state;
-  const float *decay, *dtx, *B, *C;
-  float* y;
-  int64_t H, G, P, N, slabs, chunk, chunks;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void run() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      for (int64_t i = c * chunk, end = std::min(slabs, i + chunk); i < end; ++i) {
-        const int64_t b = i / H, g = (i % H) / (H / G);
-        update_slab(state + i * P * N, dtx + i * P, decay[i], B + (b * G + g) * N, C + (b * G + g) * N, y + i * P, P,
-                    N);
-      }
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error SsmUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buffer<ffi::F32> decay,
                      ffi::Buffer<ffi::F32> dtx, ffi::Buffer<ffi::F32> B, ffi::Buffer<ffi::F32> C,
                      ffi::ResultBuffer<ffi::F32> new_state, ffi::ResultBuffer<ffi::F32> y) {
@@ -80,28 +55,20 @@ ffi::Error SsmUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buf
     return ffi::Error::InvalidArgument(
         "ssm_update: expected state (b, h, p, n), decay (b, h), dtx (b, h, p), B and C (b, g, n), g dividing h");
   }
-  auto work = std::make_shared<Work>();
   float* out = new_state->typed_data();
   if (out != state.typed_data()) std::copy_n(state.typed_data(), state.element_count(), out);
-  work->state = out;
-  work->decay = decay.typed_data();
-  work->dtx = dtx.typed_data();
-  work->B = B.typed_data();
-  work->C = C.typed_data();
-  work->y = y->typed_data();
-  work->H = s[1];
-  work->G = bd[1];
-  work->P = s[2];
-  work->N = s[3];
-  work->slabs = s[0] * s[1];
-  if (work->slabs == 0) return ffi::Error::Success();
+  const int64_t H = s[1], G = bd[1], P = s[2], N = s[3], slabs = s[0] * s[1];
+  if (slabs == 0) return ffi::Error::Success();
+  const float *decays = decay.typed_data(), *dtxs = dtx.typed_data(), *Bs = B.typed_data(), *Cs = C.typed_data();
+  float* ys = y->typed_data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  work->chunk = std::max<int64_t>(1, (work->slabs + 4 * threads - 1) / (4 * threads));  // ~4 chunks a thread
-  work->chunks = (work->slabs + work->chunk - 1) / work->chunk;
-  const int64_t helpers = std::min(threads, work->chunks) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->run(); });
-  work->run();
-  while (work->done.load(std::memory_order_acquire) < work->chunks) _mm_pause();
+  const int64_t chunk = std::max<int64_t>(1, (slabs + 4 * threads - 1) / (4 * threads));  // ~4 chunks a thread
+  granite::parallel_chunks(pool, (slabs + chunk - 1) / chunk, [=](int64_t c) {
+    for (int64_t i = c * chunk, end = std::min(slabs, i + chunk); i < end; ++i) {
+      const int64_t group = (i / H) * G + (i % H) / (H / G);  // sequence b = i / H, head h = i % H
+      update_slab(out + i * P * N, dtxs + i * P, decays[i], Bs + group * N, Cs + group * N, ys + i * P, P, N);
+    }
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,45 @@
+// Shared by the CPU kernels (small_matmul.cc, ssm_update.cc): AVX2 helpers and the split of a kernel's work
+// between the calling thread and XLA's intra-op thread pool.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace granite {
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Runs body(c) for every c in [0, chunks): the calling thread and up to pool.num_threads() - 1 helper tasks claim
+// chunks from one atomic counter. The caller waits only for chunks a helper has claimed, and a claimed chunk is being
+// computed, so there is no deadlock even when every pool thread is busy elsewhere. Helpers that start after the
+// caller has finished find no chunk left; body is copied into them, so it must capture by value.
+template <typename Body>
+void parallel_chunks(xla::ffi::ThreadPool& pool, int64_t chunks, Body body) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto run = [counters, chunks, body] {
+    for (int64_t c; (c = counters->next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      body(c);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(run)(run));  // a copy each: Schedule takes F&&
+  run();
+  while (counters->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+}
+
+}  // namespace granite
