@@ -1,4 +1,4 @@
-// y = x W^T in float32 for a few rows of x: the products of decoding (granite_jax/cpu_matmul.py).
+// y = x W^T in float32 for a few rows of x: the products of decoding (granite_jax/cpu_kernels.py).
 //
 // x (M, K) and W (N, K) row-major, y (M, N). For M <= 16 this is bound by reading W once, which XLA:CPU's
 // library GEMMs do not reach on small M (docs/generation.md). Here W is streamed once, a tile of NB rows at a
