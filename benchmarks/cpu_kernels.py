@@ -14,10 +14,12 @@ alternately in one run, best of --repeats, and the ratio printed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -75,7 +77,7 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
         "kernel": jax.jit(lambda x, ws: sum(cpu_kernels._kernel(x, w) for w in ws)),
         "xla": jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws)),
     }
-    best = best_times(fns, (x, weights), repeats)
+    best = best_times({name: functools.partial(fn, x, weights) for name, fn in fns.items()}, repeats)
     read = count * n * k * 4
     return dict(
         out=n,
@@ -88,17 +90,17 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
     )
 
 
-def best_times(fns: dict[str, Any], args: tuple, repeats: int) -> dict[str, float]:
-    """Best wall time of each function on args, calls alternated so that all see the same machine."""
+def best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Best wall time of each call after a warm-up one, calls alternated so that all see the same machine."""
     import jax
 
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    best = dict.fromkeys(fns, float("inf"))
+    for call in calls.values():
+        jax.block_until_ready(call())
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(repeats):
-        for name, fn in fns.items():
+        for name, call in calls.items():
             start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(call())
             best[name] = min(best[name], time.perf_counter() - start)
     return best
 
@@ -125,13 +127,11 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
 
     fns = {"kernel": chain(cpu_kernels._ssm_kernel), "xla": chain(cpu_kernels._ssm_update_xla)}
     carried = {name: [jax.numpy.array(s) for s in states] for name in fns}  # own copies: each chain donates its own
-    best = dict.fromkeys(fns, float("inf"))
-    for i in range(repeats + 1):  # the first call compiles
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            carried[name] = [s for s, _ in jax.block_until_ready(fn(carried[name], decay, dtx, B, C))]
-            if i:
-                best[name] = min(best[name], time.perf_counter() - start)
+
+    def step(name):  # one call, its new states carried into the next
+        carried[name] = [s for s, _ in jax.block_until_ready(fns[name](carried[name], decay, dtx, B, C))]
+
+    best = best_times({name: functools.partial(step, name) for name in fns}, repeats)
     moved = 2 * layers * batch * h * p * n * 4  # the state read and written once
     return dict(
         batch=batch,

@@ -262,7 +262,7 @@ class Attention(nnx.Module):
                 lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
                 lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
             )
-            out = attend_cache(q, state, pos, cfg.attention_multiplier, block=DECODE_KV_BLOCK if T == 1 else KV_BLOCK)
+            out = attend_cache(q, state, pos, cfg.attention_multiplier)
         return self.o_proj(out.reshape(b, T, kv * rep * hd)), state
 
 
@@ -274,8 +274,9 @@ def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     return jnp.einsum("bkrts,bksd->btkrd", probs, v)
 
 
-def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: int = KV_BLOCK) -> Array:
-    """`attend` over the filled cache slots [0, last query slot] only, `block` keys at a time.
+def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: int | None = None) -> Array:
+    """`attend` over the filled cache slots [0, last query slot] only, `block` keys at a time (default:
+    DECODE_KV_BLOCK for one query per row, KV_BLOCK for a prompt segment).
 
     The online softmax of flash attention (Dao et al. 2022, Alg. 1): a running max m, normalizer and output acc per
     query, rescaled by exp(m_old - m_new) as each block arrives. Time and memory grow with the filled slots, not with
@@ -283,8 +284,8 @@ def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: 
     masked, so any cache length works.
     """
     S = cache.k.shape[2]
-    block = min(block, S)
     b, T, kv, rep, hd = q.shape
+    block = min(block or (DECODE_KV_BLOCK if T == 1 else KV_BLOCK), S)
 
     def step(j, carry):
         m, norm, acc = carry

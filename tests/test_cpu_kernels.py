@@ -150,9 +150,13 @@ def test_state_update_elsewhere_is_xla():
     state = np.asarray(inputs["state"], np.float32)
     text = lowered(ssd_step, state, *step_args(inputs, 0), platform="cuda")
     assert cpu_kernels.SSM_TARGET not in text
-    with jax.enable_x64(True):  # float64 (the tests' oracles) is XLA's
-        f64 = [np.asarray(a, np.float64) for a in (state, *step_args(inputs, 0))]
+    with jax.enable_x64(True):  # float64 is XLA's, and equals the recurrence
+        token = [inputs[k][:, 0] if inputs[k].ndim > 1 else inputs[k] for k in ("x", "dt", "A", "B", "C", "D")]
+        f64 = [inputs["state"], *token]  # numpy float64
         assert cpu_kernels.SSM_TARGET not in lowered(ssd_step, *f64)
+        y, s = ssd_step(*f64)
+    y_ref, s_ref = float64_tokens(inputs)
+    assert rel(y, y_ref[:, 0]) < 1e-12 and rel(s, s_ref) < 1e-12
 
 
 def test_state_update_gradients():
@@ -160,14 +164,21 @@ def test_state_update_gradients():
     state = np.asarray(inputs["state"], np.float32)
     args = step_args(inputs, 0)
 
-    def loss(state, x, rest):
-        y, s = ssd_step(state, x, *rest)
+    def loss(y, s):
         return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(s))
 
-    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, args[0], args[1:])
-    with jax.enable_x64(True):  # the same loss in float64, where ssd_step is XLA's
+    def through_step(state, x, rest):
+        return loss(*ssd_step(state, x, *rest))
+
+    def through_reference(state, x, rest):  # the token-by-token recurrence, one token
+        dt, A, B, C, D = rest
+        y, s = ssd_reference(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, initial_state=state)
+        return loss(y[:, 0], s)
+
+    got = jax.jit(jax.grad(through_step, argnums=(0, 1)))(state, args[0], args[1:])
+    with jax.enable_x64(True):
         args64 = [jnp.asarray(a, jnp.float64) for a in (state, *args)]
-        want = jax.grad(loss, argnums=(0, 1))(args64[0], args64[1], args64[2:])
+        want = jax.grad(through_reference, argnums=(0, 1))(args64[0], args64[1], args64[2:])
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
 

@@ -55,8 +55,7 @@ ffi::Error SsmUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buf
     return ffi::Error::InvalidArgument(
         "ssm_update: expected state (b, h, p, n), decay (b, h), dtx (b, h, p), B and C (b, g, n), g dividing h");
   }
-  float* out = new_state->typed_data();
-  if (out != state.typed_data()) std::copy_n(state.typed_data(), state.element_count(), out);
+  float* out = new_state->typed_data();  // the state's own buffer: aliased to it by cpu_kernels._ssm_kernel
   const int64_t H = s[1], G = bd[1], P = s[2], N = s[3], slabs = s[0] * s[1];
   if (slabs == 0) return ffi::Error::Success();
   const float *decays = decay.typed_data(), *dtxs = dtx.typed_data(), *Bs = B.typed_data(), *Cs = C.typed_data();
