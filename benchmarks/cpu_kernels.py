@@ -5,10 +5,11 @@
 
 Products: for every distinct (out, in) weight shape of the model (and the tied head), a jitted chain of products
 against enough different weight matrices to overflow the caches, so each product reads its weights from memory as in
-a decode step. `linear` only sends MIN_ROWS..MAX_ROWS rows to the kernel; the other row counts show why. Prints GB/s
-of weights read. State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and
-written by the update (the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed
-alternately in one run, best of --repeats, and the ratio printed.
+a decode step (the kernel reads them packed in panels, `cpu_kernels.pack`; XLA in the checkpoint's (out, in) layout).
+`linear` only sends MIN_ROWS..MAX_ROWS rows to the kernel; the other row counts show why. Prints GB/s of weights
+read. State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the
+update (the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed alternately in one
+run, best of --repeats, and the ratio printed.
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
     count = max(1, -(-chain_bytes // (n * k * 4)))
     rng = np.random.default_rng(0)
     weights = [jax.device_put(rng.standard_normal((n, k), np.float32)) for _ in range(count)]
+    packed = [cpu_kernels.pack(w) for w in weights]  # what `Linear.pack` keeps beside each weight
     x = jax.device_put(rng.standard_normal((rows, k), np.float32))
-    fns = {
-        "kernel": jax.jit(lambda x, ws: sum(cpu_kernels._kernel(x, w) for w in ws)),
-        "xla": jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws)),
-    }
-    best = best_times({name: functools.partial(fn, x, weights) for name, fn in fns.items()}, repeats)
+    kernel = jax.jit(lambda x, ps: sum(cpu_kernels._kernel(x, p, n) for p in ps))
+    xla = jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws))
+    calls = {"kernel": functools.partial(kernel, x, packed), "xla": functools.partial(xla, x, weights)}
+    best = best_times(calls, repeats)
     read = count * n * k * 4
     return dict(
         out=n,

@@ -118,7 +118,7 @@ def check_writable(out_dir: str | os.PathLike) -> None:
 
 
 def _write_state(model: Granite, path: str) -> None:
-    state = nnx.to_pure_dict(nnx.state(model))
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # not `Packed` copies a Generator may have added
     with _quiet_orbax(), _checkpointer() as ck:
         ck.save(path, state)
         ck.wait_until_finished()
@@ -134,7 +134,7 @@ def _copy_side_files(src: str | os.PathLike, dst: str) -> list[str]:
 
 
 def _marker(model: Granite, source: str | None) -> dict[str, Any]:
-    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model))})
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))})
     return dict(
         format=FORMAT,
         version=VERSION,

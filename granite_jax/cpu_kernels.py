@@ -38,6 +38,7 @@ from jax import lax
 Array = jax.Array
 
 MIN_ROWS, MAX_ROWS = 2, 16  # other products are left to XLA: one row (its matrix-vector product is fast), prefill
+LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
 TARGET = "granite_small_matmul_f32"
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
@@ -52,31 +53,55 @@ def dot(x: Array, w: Array) -> Array:
     return lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
 
 
-def linear(x: Array, w: Array) -> Array:
-    """x (..., K) @ w (N, K)^T -> (..., N): the CPU kernel for float32 products of MIN_ROWS..MAX_ROWS rows, else XLA."""
-    if not uses_kernel(x, w):
+def pack(w: Array) -> Array:
+    """w (N, K) in the kernel's panel layout (ceil(N / 8), K, 8): panel[p, k, c] = w[8p + c, k], zero rows past N.
+
+    A copy: `linear` streams it for the products of decoding and keeps w for everything else (see `Linear`).
+    """
+    n, k = w.shape
+    rows = -(-n // LANES) * LANES
+    w = jnp.pad(w, ((0, rows - n), (0, 0)))
+    return w.reshape(rows // LANES, LANES, k).transpose(0, 2, 1)
+
+
+def unpack(packed: Array, n: int) -> Array:
+    """The (n, K) matrix of `pack`'s panels."""
+    return packed.transpose(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+
+
+def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
+    """x (..., K) @ w (N, K)^T -> (..., N): with w's panels (`pack(w)`), the CPU kernel for float32 products of
+    MIN_ROWS..MAX_ROWS rows; otherwise XLA."""
+    if packed is None or not uses_kernel(x, packed):
         return dot(x, w)
-    # Chosen when lowering: the kernel on CPU, XLA's product on every other platform.
-    return lax.platform_dependent(x, w, cpu=_kernel, default=dot)
+    n = w.shape[0]
+    # Chosen when lowering: the kernel on CPU, XLA's product with w on every other platform.
+    return lax.platform_dependent(x, w, packed, cpu=lambda x, w, p: _kernel(x, p, n), default=lambda x, w, p: dot(x, w))
 
 
-def uses_kernel(x: Array, w: Array) -> bool:
-    """Whether `linear(x, w)` runs the kernel when lowered for a CPU."""
+def uses_kernel(x: Array, packed: Array) -> bool:
+    """Whether `linear(x, w, packed)` runs the kernel when lowered for a CPU."""
     rows = math.prod(x.shape[:-1])
-    return x.dtype == w.dtype == jnp.float32 and MIN_ROWS <= rows <= MAX_ROWS and w.ndim == 2 and available()
+    return (
+        x.dtype == packed.dtype == jnp.float32
+        and MIN_ROWS <= rows <= MAX_ROWS
+        and packed.ndim == 3
+        and packed.shape[2] == LANES
+        and available()
+    )
 
 
-@jax.custom_jvp
-def _kernel(x: Array, w: Array) -> Array:
-    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, w)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _kernel(x: Array, packed: Array, n: int) -> Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, packed)
 
 
 @_kernel.defjvp
-def _kernel_jvp(primals, tangents):
+def _kernel_jvp(n, primals, tangents):
     # The product is bilinear; its tangent is written with XLA products, which JAX can transpose (gradients).
-    (x, w), (dx, dw) = primals, tangents
-    return _kernel(x, w), dot(dx, w) + dot(x, dw)
+    (x, packed), (dx, dpacked) = primals, tangents
+    return _kernel(x, packed, n), dot(dx, unpack(packed, n)) + dot(x, unpack(dpacked, n))
 
 
 def ssm_update(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tuple[Array, Array]:
@@ -110,6 +135,17 @@ def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that
     return _ssm_kernel(*primals), jax.jvp(_ssm_update_xla, primals, tangents)[1]
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def available() -> bool:
     """Whether `linear` and `ssm_update` can use the kernels here (compiles and loads them on the first call)."""
     return _load() is None
@@ -125,7 +161,7 @@ def describe() -> str:
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
-    return f"cpu_kernels: products of {MIN_ROWS}-{MAX_ROWS} float32 rows, Mamba state update"
+    return f"cpu_kernels: products of {MIN_ROWS}-{MAX_ROWS} float32 rows on packed weights, Mamba state update"
 
 
 _LOCK = threading.Lock()

@@ -101,21 +101,31 @@ class Positions:
 # ---------------------------------------------------------------------------------------------- layers
 
 
+class Packed(nnx.Variable):
+    """A weight copied into `cpu_kernels.pack`'s panel layout for decoding on CPUs: derived, not a parameter."""
+
+
 class Linear(nnx.Module):
     """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint.
 
     The layout is for decoding: XLA:CPU's matrix-vector product contracting W's contiguous last axis runs ~1.35x
-    faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes; products
-    of 2-16 rows in float32 on a CPU go to `cpu_kernels`'s kernel (docs/generation.md).
+    faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes. After
+    `pack()`, float32 products of 2-16 rows on a CPU stream a panel-layout copy of W through `cpu_kernels`'s kernel
+    (docs/generation.md).
     """
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
         self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), param_dtype))
         self.dtype = dtype
+        self.packed: Packed | None = nnx.data(None)  # a data attribute: `pack` may set it
 
     def __call__(self, x: Array) -> Array:
-        return cpu_kernels.linear(x.astype(self.dtype), self.weight[...].astype(self.dtype))
+        packed = None if self.packed is None else self.packed[...]
+        return cpu_kernels.linear(x.astype(self.dtype), self.weight[...].astype(self.dtype), packed)
+
+    def pack(self) -> None:
+        self.packed = Packed(cpu_kernels.pack(self.weight[...].astype(self.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -448,6 +458,7 @@ class Granite(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         )
+        self.packed_embedding: Packed | None = nnx.data(None)  # the tied output embedding, packed like `Linear.pack`
 
     def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:
         """Logits (b, T, vocab) of left-padded tokens (b, T); `pad[b]` counts row b's padding tokens."""
@@ -497,7 +508,9 @@ class Granite(nnx.Module):
             # Tied: contract the (V, H) embedding over its contiguous axis, as `Linear` does. `x @ embedding.T`
             # (Embed.attend) made XLA:CPU copy the whole transposed embedding on every call, which costs more than the
             # product in decoding.
-            logits = cpu_kernels.linear(x.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
+            embedding = self.embed_tokens.embedding[...].astype(self.dtype)
+            packed = None if self.packed_embedding is None else self.packed_embedding[...]
+            logits = cpu_kernels.linear(x.astype(self.dtype), embedding, packed)
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling
@@ -522,9 +535,36 @@ def count_params(model: Granite) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def pack_for_decoding(model: Granite) -> int:
+    """Give every `Linear` of a float32 model, and a tied output embedding, a copy of its weight in the layout that
+    decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: not float32, nothing packed).
+
+    The copies double the memory those weights take and are not updated with them: pack again after changing them.
+    """
+    if jnp.dtype(model.dtype) != jnp.float32:
+        return 0
+    for linear in _linears(model):
+        linear.pack()
+    if model.lm_head is None:
+        model.packed_embedding = Packed(cpu_kernels.pack(model.embed_tokens.embedding[...].astype(model.dtype)))
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, Packed)))
+
+
+def packing_bytes(model: Granite) -> int:
+    """About what `pack_for_decoding` would add (float32, before padding to whole panels)."""
+    weights = [linear.weight for linear in _linears(model)]
+    if model.lm_head is None:
+        weights.append(model.embed_tokens.embedding)
+    return sum(4 * math.prod(w.shape) for w in weights)
+
+
+def _linears(model: Granite) -> list[Linear]:
+    return [module for _, module in nnx.iter_graph(model) if isinstance(module, Linear)]
+
+
 def with_ssd_impl(model: Granite, impl: str) -> Granite:
     """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
     cfg = model.cfg.replace(ssd_impl=impl)
     other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, param_dtype=model.dtype, rngs=nnx.Rngs(0)))
-    nnx.update(other, nnx.state(model))
+    nnx.update(other, nnx.state(model, nnx.Param))
     return other

@@ -33,17 +33,44 @@ def test_kernel_builds_on_this_machine():
     assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
-# Row counts 2..16 (also as (b, 1) leading dims), K with and without a multiple-of-8 tail, N with and without a
-# multiple of the 3- and 6-row tiles, N larger than one thread chunk.
+def packed_linear(x, w):
+    """What `Linear` runs after `pack()`: the product through w's panels (packed inside, so gradients reach w)."""
+    return cpu_kernels.linear(x, w, cpu_kernels.pack(w))
+
+
+@pytest.mark.parametrize("n,k", [(1, 3), (8, 5), (13, 7), (24, 1)])
+def test_pack_is_panels_of_eight_rows(n, k):
+    w = np.arange(n * k, dtype=np.float32).reshape(n, k) + 1
+    packed = np.asarray(cpu_kernels.pack(w))
+    assert packed.shape == (-(-n // 8), k, 8)
+    for row in range(packed.shape[0] * 8):  # panel[p, :, c] is row 8p + c; rows past n are zero
+        want = w[row] if row < n else np.zeros(k, np.float32)
+        np.testing.assert_array_equal(packed[row // 8, :, row % 8], want)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.unpack(packed, n)), w)
+
+
+# Row counts 2..16 (also as (b, 1) leading dims): one group of eight rows of x, partial groups, two groups. K with
+# odd lengths, N with and without whole panels of 8, and larger than one thread chunk.
 @pytest.mark.parametrize(
     "rows,k,n",
-    [((2,), 8, 3), ((3,), 13, 7), ((4,), 1, 1), ((5,), 64, 200), ((8, 1), 768, 301), ((16,), 100, 2), ((7, 2), 9, 50)],
+    [
+        ((2,), 8, 3),
+        ((3,), 13, 7),
+        ((4,), 1, 1),
+        ((5,), 64, 200),
+        ((8, 1), 768, 301),
+        ((11,), 33, 90),
+        ((16,), 100, 2),
+        ((7, 2), 9, 50),
+        ((8,), 96, 1000),
+    ],
 )
 def test_matches_float64(rows, k, n):
     x, w = operands(rows, k, n)
-    assert cpu_kernels.uses_kernel(x, w)
-    assert cpu_kernels.TARGET in lowered(cpu_kernels.linear, x, w)
-    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
+    packed = cpu_kernels.pack(w)
+    assert cpu_kernels.uses_kernel(x, packed)
+    assert cpu_kernels.TARGET in lowered(cpu_kernels.linear, x, w, packed)
+    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w, packed))
     want = x.astype(np.float64) @ w.astype(np.float64).T
     scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # error bound of a float32 dot product
     assert got.shape == want.shape and got.dtype == np.float32
@@ -52,7 +79,7 @@ def test_matches_float64(rows, k, n):
 
 def test_empty_contraction_gives_zeros():
     x, w = np.ones((3, 0), np.float32), np.ones((5, 0), np.float32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.linear)(x, w)), np.zeros((3, 5), np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(packed_linear)(x, w)), np.zeros((3, 5), np.float32))
 
 
 @pytest.mark.parametrize(
@@ -62,29 +89,34 @@ def test_empty_contraction_gives_zeros():
 def test_other_products_stay_with_xla(rows, dtype):
     # One row (XLA's matrix-vector product is fast), more than MAX_ROWS rows (prefill, training), other dtypes.
     x, w = (jnp.asarray(a, dtype) for a in operands(rows, 32, 24))
-    assert not cpu_kernels.uses_kernel(x, w)
-    assert cpu_kernels.TARGET not in lowered(cpu_kernels.linear, x, w)
-    got = np.asarray(cpu_kernels.linear(x, w), np.float64)
+    assert not cpu_kernels.uses_kernel(x, cpu_kernels.pack(w))
+    assert cpu_kernels.TARGET not in lowered(packed_linear, x, w)
+    got = np.asarray(packed_linear(x, w), np.float64)
     x64, w64 = (np.asarray(t, np.float64) for t in (x, w))
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2  # 16-bit outputs are rounded to 8 or 11 significant bits
     assert np.all(np.abs(got - x64 @ w64.T) <= tolerance * (np.abs(x64) @ np.abs(w64).T))
 
 
+def test_unpacked_weights_stay_with_xla():
+    x, w = operands((8,), 32, 24)
+    assert cpu_kernels.TARGET not in lowered(cpu_kernels.linear, x, w)
+
+
 def test_other_platforms_get_xla_products():
     x, w = operands((8,), 32, 24)
-    text = lowered(cpu_kernels.linear, x, w, platform="cuda")
+    text = lowered(packed_linear, x, w, platform="cuda")
     assert cpu_kernels.TARGET not in text and "dot_general" in text
 
 
 def test_gradients_and_vmap():
-    x, w = operands((4,), 40, 24)
-    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(cpu_kernels.linear(x, w))), argnums=(0, 1)))(x, w)
+    x, w = operands((4,), 40, 21)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(packed_linear(x, w))), argnums=(0, 1)))(x, w)
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     upstream = np.cos(x64 @ w64.T)  # d sum(sin(y)) / dy, y = x w^T
     for got, want in zip(grads, (upstream @ w64, upstream.T @ x64)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
     xs = np.stack([x, 2 * x, -x])
-    batched = jax.jit(jax.vmap(cpu_kernels.linear, in_axes=(0, None)))(xs, w)
+    batched = jax.jit(jax.vmap(packed_linear, in_axes=(0, None)))(xs, w)
     np.testing.assert_allclose(np.asarray(batched), np.einsum("bmk,nk->bmn", xs, w), rtol=1e-5, atol=1e-5)
 
 

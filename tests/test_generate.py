@@ -10,8 +10,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
+from granite_jax import cpu_kernels
 from granite_jax.generate import Generator, bucket_length, cache_bucket
+from granite_jax.model import Packed
 from granite_jax.sampling import GenerationError, SamplingConfig
 
 PROMPTS = ["Granite is a family of language models.", "The quick", "def forward(x): return x * 2 + 1  # numbers"]
@@ -228,6 +231,21 @@ def test_timing_is_reported(generator):
     assert t.prefill_tokens_per_s > 0 and t.decode_tokens_per_s > 0
 
 
+def test_weights_are_packed_for_decoding_unless_declined(checkpoint, generator, monkeypatch, caplog):
+    unpacked = Generator(checkpoint, pack_weights=False)
+    assert unpacked.packed_bytes == 0 and not jax.tree.leaves(nnx.state(unpacked.model, Packed))
+    if cpu_kernels.available():
+        assert generator.packed_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(generator.model, Packed))) > 0
+    batch = [r.token_ids for r in generator.generate(PROMPTS, GREEDY_32)]  # 3 rows: the kernel on the panels
+    assert [r.token_ids for r in unpacked.generate(PROMPTS, GREEDY_32)] == batch
+
+    monkeypatch.setattr(cpu_kernels, "available_memory", lambda: 10_000)  # the copy would not fit: declined, said so
+    with caplog.at_level("WARNING", logger="granite_jax.generate"):
+        assert Generator(checkpoint).packed_bytes == 0
+    assert "not packing the weights for decoding" in caplog.text
+    assert (Generator(checkpoint, pack_weights=True).packed_bytes > 0) == cpu_kernels.available()
+
+
 # ---------------------------------------------------------------------------------------------- validation
 
 
@@ -328,6 +346,7 @@ def test_cli_help_explains_every_flag():
         "--ssd-impl",
         "--prefill-chunk",
         "--max-cache-len",
+        "--no-pack-weights",
         "--stream",
         "--no-stream",
         "--json",
@@ -377,10 +396,11 @@ def test_cli_pallas_without_a_gpu_is_refused_before_loading(checkpoint):
 
 
 def test_cli_json_output(checkpoint, generator):
-    out = cli("--model", checkpoint, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "6", "--json")
+    prompts = ("--prompt", PROMPTS[0], "--prompt", PROMPTS[1])
+    out = cli("--model", checkpoint, *prompts, "--max-new-tokens", "6", "--json", "--no-pack-weights")
     assert out.returncode == 0, out.stderr.decode()
     doc = json.loads(out.stdout)
-    expected = generator.generate(PROMPTS[:2], max_new_tokens=6)
+    expected = generator.generate(PROMPTS[:2], max_new_tokens=6)  # packed weights: the same tokens
     assert [r["text"] for r in doc["results"]] == [r.text for r in expected]
     assert [r["token_ids"] for r in doc["results"]] == [list(r.token_ids) for r in expected]
     assert doc["prefill_tokens_per_s"] > 0 and doc["decode_tokens_per_s"] > 0

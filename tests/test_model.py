@@ -9,8 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
-from granite_jax.model import Cache, KVState, Positions, abstract_model, attend_cache, count_params, with_ssd_impl
+from granite_jax import cpu_kernels
+from granite_jax.checkpoint import save_checkpoint
+from granite_jax.model import (
+    Cache,
+    KVState,
+    Linear,
+    Packed,
+    Positions,
+    abstract_model,
+    attend_cache,
+    count_params,
+    pack_for_decoding,
+    with_ssd_impl,
+)
 from granite_jax.params import load_model
 from granite_jax.presets import released_config
 
@@ -159,6 +173,46 @@ def test_cached_segments_equal_one_forward(pairs):
     full_cache = dataclasses.replace(Cache.init(pair.jax.cfg, 2, 45, pad=jnp.asarray(pad)), index=jnp.int32(45))
     logits, _ = step(pair.jax, jnp.asarray(ids[:, :1]), full_cache)  # under jit: no room is NaN, never clamped
     assert np.isnan(np.asarray(logits)).all()
+
+
+@pytest.mark.parametrize("variant", ["moe_hybrid", "untied_head"])
+def test_packed_weights_decode_like_the_parameters(hf_checkpoint, variant, tmp_path):
+    # What a Generator does on CPUs: every Linear (and a tied embedding) gets a panel copy of its weight, which decode
+    # steps of 2-16 rows stream through the kernel. The logits must stay those of the parameters, and the copies
+    # must not leak into saved checkpoints.
+    d = hf_checkpoint(**VARIANTS[variant])
+    plain, model = load_model(d), load_model(d)
+    added = pack_for_decoding(model)
+    weights = [m.weight[...] for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
+    if model.cfg.tie_word_embeddings:
+        weights.append(model.embed_tokens.embedding[...])
+    assert added == sum(4 * -(-w.shape[0] // 8) * 8 * w.shape[1] for w in weights) > 0
+    for packed in jax.tree.leaves(nnx.state(model, Packed)):
+        assert packed.ndim == 3 and packed.shape[2] == 8
+
+    ids = jnp.asarray(np.random.default_rng(7).integers(3, 300, (3, 12)))
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    if cpu_kernels.available():
+        text = step.trace(model, ids[:, :1], Cache.init(model.cfg, 3, 16)).lower().as_text()
+        assert cpu_kernels.TARGET in text
+    outs = []
+    for m in (plain, model):
+        cache, logits = Cache.init(m.cfg, 3, 16), []
+        for t in range(ids.shape[1]):  # one token per step: every product has 3 rows
+            out, cache = step(m, ids[:, t : t + 1], cache)
+            logits.append(np.asarray(out))
+        outs.append(np.concatenate(logits, axis=1))
+    assert rel_err(outs[1], outs[0]) <= RTOL
+
+    out = save_checkpoint(model, tmp_path / "saved")
+    restored = load_model(out)
+    assert not jax.tree.leaves(nnx.state(restored, Packed))
+    for a, b in zip(jax.tree.leaves(nnx.state(plain, nnx.Param)), jax.tree.leaves(nnx.state(restored, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_only_float32_models_are_packed(tiny_checkpoint):
+    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.bfloat16)) == 0
 
 
 def _attention_float64(q, k, v, query_slots, pad, scale):
