@@ -302,7 +302,7 @@ class Generator:
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
     pack_weights: give the model's float32 projections a copy in the layout that decode steps of 2-16 sequences
-    stream on CPUs (`model.pack_for_decoding`: 1.7-2.7x XLA's products, twice the memory for those weights). None:
+    stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products, twice the memory for those weights). None:
     when the CPU kernels are available and the copy fits in half the available memory; False: never; True: whenever
     the kernels are available. `packed_bytes` says what was added. The copy is made once, here: a Generator over a
     model whose weights change afterwards keeps decoding with the old ones.
@@ -713,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         default=None,
         help="do not copy the float32 weights into the layout that CPU decode steps of 2-16 prompts stream (saves "
-        "memory equal to the weights; those steps then run 1.7-2.7x slower products). Default: copy when the CPU "
+        "memory equal to the weights; those steps then run 1.5-2.9x slower products). Default: copy when the CPU "
         "kernels are available and the copy fits in half the free memory",
     )
     r.add_argument(
