@@ -7,7 +7,7 @@
 """
 
 from granite_jax.config import ConfigError, ModelConfig
-from granite_jax.model import Cache, Granite, abstract_model, count_params, with_ssd_impl
+from granite_jax.model import Cache, Granite, abstract_model, count_params, pack_for_decoding, with_ssd_impl
 from granite_jax.params import CheckpointError, load_model
 from granite_jax.presets import RELEASED, released_config
 from granite_jax.ssd import ssd, ssd_reference, ssd_step
@@ -24,6 +24,7 @@ __all__ = [
     "abstract_model",
     "count_params",
     "load_model",
+    "pack_for_decoding",
     "released_config",
     "ssd",
     "ssd_reference",
