@@ -136,17 +136,6 @@ def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that
     return _ssm_kernel(*primals), jax.jvp(_ssm_update_xla, primals, tangents)[1]
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to new allocations (Linux's MemAvailable), or None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def available() -> bool:
     """Whether `linear` and `ssm_update` can use the kernels here (compiles and loads them on the first call)."""
     return _load() is None

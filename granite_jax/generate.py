@@ -161,7 +161,7 @@ def _should_pack(model: Granite, pack_weights: bool | None) -> bool:
     if pack_weights:
         return True
     needed = packing_bytes(model)
-    available = cpu_kernels.available_memory()
+    available = available_memory()
     if available is not None and needed > available // 2:
         log.warning(
             "granite_jax: not packing the weights for decoding (%.1f GB; %.1f GB of memory available): "
@@ -173,7 +173,25 @@ def _should_pack(model: Granite, pack_weights: bool | None) -> bool:
     return True
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), or None where unknown."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- jitted steps
+
+
+def _split(model: Granite) -> tuple[Any, Any, list]:
+    # The steps take the weights as a flat list: flattening the nnx State costs ~2 ms per call, a list ~0.3 ms.
+    graphdef, state = nnx.split(model)
+    weights, treedef = jax.tree.flatten(state)
+    return graphdef, treedef, weights
 
 
 def _prefill_segment(graphdef, treedef, weights, cache: Cache, tokens, params: SamplerParams, step):
@@ -301,11 +319,11 @@ class Generator:
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
-    pack_weights: give the model's float32 projections a copy in the layout that decode steps of 2-16 sequences
-    stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products, twice the memory for those weights). None:
-    when the CPU kernels are available and the copy fits in half the available memory; False: never; True: whenever
-    the kernels are available. `packed_bytes` says what was added. The copy is made once, here: a Generator over a
-    model whose weights change afterwards keeps decoding with the old ones.
+    pack_weights: before the first decode step of 2-16 sequences, give the model's float32 projections a copy in the
+    layout that such steps stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products, twice the memory for
+    those weights; batch 1 and prefill never use it). None: when the CPU kernels are available and the copy fits in
+    half the available memory; False: never; True: whenever the kernels are available. `packed_bytes` says what was
+    added. The weights are taken once: a Generator over a model whose weights change afterwards keeps the old ones.
     """
 
     def __init__(
@@ -339,10 +357,8 @@ class Generator:
         self.cfg: ModelConfig = model.cfg
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
         self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
-        self.packed_bytes = pack_for_decoding(model) if _should_pack(model, pack_weights) else 0
-        self._graphdef, state = nnx.split(model)
-        # The steps take the weights as a flat list: flattening the nnx State costs ~2 ms per call, a list ~0.3 ms.
-        self._weights, self._treedef = jax.tree.flatten(state)
+        self.pack_weights, self.packed_bytes = pack_weights, 0
+        self._views = {False: _split(model)}  # True: with the packed copies, made by `_view` when first needed
         self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> count
         self._executables: dict[tuple, Any] = {}
         self.last_timing: Timing | None = None
@@ -447,7 +463,7 @@ class Generator:
         logits, _, cache = self._prefill(prompt_ids, layout, params)
         out = [np.asarray(logits)]
         for i in range(forced.shape[1]):
-            logits, _, cache = decode(self._weights, cache, forced[:, i], params, np.int32(i + 1))
+            logits, _, cache = decode(cache, forced[:, i], params, np.int32(i + 1))
             out.append(np.asarray(logits))
         return np.stack(out, axis=1)
 
@@ -496,20 +512,32 @@ class Generator:
             )
         return ids
 
-    def _executable(self, kind: str, key: tuple, fn, *args, model: bool = True):
+    def _view(self, packed: bool) -> tuple[Any, Any, list]:
+        """(graphdef, treedef, weights) of the model for the jitted steps; packed: with `pack_for_decoding`'s copies
+        (made here on first use, when `pack_weights` and the memory allow; else the plain view)."""
+        if packed and packed not in self._views:
+            if _should_pack(self.model, self.pack_weights):
+                self.packed_bytes = pack_for_decoding(self.model)
+                self._views[True] = _split(self.model)
+            else:
+                self._views[True] = self._views[False]
+        return self._views[packed]
+
+    def _executable(self, kind: str, key: tuple, fn, *args, model: bool = True, packed: bool = False):
         """The AOT-compiled `fn` for these argument shapes (compiled on first use; counted in `compilations`).
 
-        With `model`, fn starts with (graphdef, treedef, weights, cache, ...): graphdef and treedef are bound here,
-        the weights are passed as a flat list and the cache is donated.
+        With `model`, fn starts with (graphdef, treedef, weights, cache, ...): the returned callable has the model
+        (`_view(packed)`) bound, takes (cache, ...) and donates the cache.
         """
         full_key = (kind, *key)
         if full_key not in self._executables:
             if model:
-                jitted = jax.jit(functools.partial(fn, self._graphdef, self._treedef), donate_argnums=(1,))
-                args = (self._weights, *args)
+                graphdef, treedef, weights = self._view(packed)
+                jitted = jax.jit(functools.partial(fn, graphdef, treedef), donate_argnums=(1,))
+                compiled = jitted.lower(weights, *args).compile()
+                self._executables[full_key] = functools.partial(compiled, weights)
             else:
-                jitted = jax.jit(fn)
-            self._executables[full_key] = jitted.lower(*args).compile()
+                self._executables[full_key] = jax.jit(fn).lower(*args).compile()
             self.compilations[kind] += 1
         return self._executables[full_key]
 
@@ -535,7 +563,9 @@ class Generator:
         tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
         step = jax.ShapeDtypeStruct((), jnp.int32)
         cache = self._abstract_cache(layout)
-        return self._executable("decode", (b, layout.cache_len), _decode_step, cache, tokens, params, step)
+        packed = cpu_kernels.MIN_ROWS <= b <= cpu_kernels.MAX_ROWS  # the products the packed copies are for
+        key = (b, layout.cache_len)
+        return self._executable("decode", key, _decode_step, cache, tokens, params, step, packed=packed)
 
     def _prefill(self, prompt_ids, layout: BatchLayout, params: SamplerParams):
         run = self._compile_prefill(layout, params)
@@ -545,7 +575,7 @@ class Generator:
         step = np.int32(0)
         for start in range(0, layout.padded_len, layout.segment_len):
             segment = tokens[:, start : start + layout.segment_len]
-            logits, first, cache = run(self._weights, cache, segment, params, step)
+            logits, first, cache = run(cache, segment, params, step)
         return logits, first, cache
 
     def _run(self, prompt_ids, layout: BatchLayout, sampling: SamplingConfig, rows: list[_RowStream]) -> Timing:
@@ -562,7 +592,7 @@ class Generator:
         for step in range(1, layout.max_new_tokens):
             if all(row.done for row in rows):
                 break
-            _, tokens, cache = decode(self._weights, cache, tokens, params, np.int32(step))
+            _, tokens, cache = decode(cache, tokens, params, np.int32(step))
             produced += self._push(rows, np.asarray(tokens))
             steps += 1
         t3 = time.perf_counter()
@@ -713,8 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         default=None,
         help="do not copy the float32 weights into the layout that CPU decode steps of 2-16 prompts stream (saves "
-        "memory equal to the weights; those steps then run 1.5-2.9x slower products). Default: copy when the CPU "
-        "kernels are available and the copy fits in half the free memory",
+        "memory equal to the weights; those steps then run 1.5-2.9x slower products). Default: copy, before the first "
+        "such step, when the CPU kernels are available and the copy fits in half the free memory",
     )
     r.add_argument(
         "--max-cache-len",

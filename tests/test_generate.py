@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from granite_jax import cpu_kernels
+from granite_jax import generate as generate_module
 from granite_jax.generate import Generator, bucket_length, cache_bucket
 from granite_jax.model import Packed
 from granite_jax.sampling import GenerationError, SamplingConfig
@@ -231,19 +232,27 @@ def test_timing_is_reported(generator):
     assert t.prefill_tokens_per_s > 0 and t.decode_tokens_per_s > 0
 
 
-def test_weights_are_packed_for_decoding_unless_declined(checkpoint, generator, monkeypatch, caplog):
-    unpacked = Generator(checkpoint, pack_weights=False)
-    assert unpacked.packed_bytes == 0 and not jax.tree.leaves(nnx.state(unpacked.model, Packed))
+def test_weights_are_packed_for_batched_decoding_unless_declined(checkpoint, generator, monkeypatch, caplog):
+    single = Generator(checkpoint)
+    single.generate(PROMPTS[0], GREEDY_32)  # batch 1 and prefill never use the packed copies: none made
+    assert single.packed_bytes == 0 and not jax.tree.leaves(nnx.state(single.model, Packed))
+
+    batch = [r.token_ids for r in generator.generate(PROMPTS, GREEDY_32)]  # 3 rows: the kernel on the panels
     if cpu_kernels.available():
         assert generator.packed_bytes == sum(x.nbytes for x in jax.tree.leaves(nnx.state(generator.model, Packed))) > 0
-    batch = [r.token_ids for r in generator.generate(PROMPTS, GREEDY_32)]  # 3 rows: the kernel on the panels
+    unpacked = Generator(checkpoint, pack_weights=False)
     assert [r.token_ids for r in unpacked.generate(PROMPTS, GREEDY_32)] == batch
+    assert unpacked.packed_bytes == 0 and not jax.tree.leaves(nnx.state(unpacked.model, Packed))
 
-    monkeypatch.setattr(cpu_kernels, "available_memory", lambda: 10_000)  # the copy would not fit: declined, said so
+    monkeypatch.setattr(generate_module, "available_memory", lambda: 10_000)  # the copy would not fit: declined
+    short = Generator(checkpoint)
     with caplog.at_level("WARNING", logger="granite_jax.generate"):
-        assert Generator(checkpoint).packed_bytes == 0
+        assert [r.token_ids for r in short.generate(PROMPTS, GREEDY_32)] == batch
+    assert short.packed_bytes == 0
     assert "not packing the weights for decoding" in caplog.text
-    assert (Generator(checkpoint, pack_weights=True).packed_bytes > 0) == cpu_kernels.available()
+    insist = Generator(checkpoint, pack_weights=True)
+    insist.generate(PROMPTS[:2], max_new_tokens=2)
+    assert (insist.packed_bytes > 0) == cpu_kernels.available()
 
 
 # ---------------------------------------------------------------------------------------------- validation
