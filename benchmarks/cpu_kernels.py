@@ -5,11 +5,11 @@
 
 Products: for every distinct (out, in) weight shape of the model (and the tied head), a jitted chain of products
 against enough different weight matrices to overflow the caches, so each product reads its weights from memory as in
-a decode step (the kernel reads them packed in panels, `cpu_kernels.pack`; XLA in the checkpoint's (out, in) layout).
-`linear` only sends MIN_ROWS..MAX_ROWS rows to the kernel; the other row counts show why. Prints GB/s of weights
-read. State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the
-update (the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed alternately in one
-run, best of --repeats, and the ratio printed.
+a decode step (one row: the matrix-vector kernel and XLA both read the checkpoint's (out, in) layout; 2-16 rows: the
+kernel reads them packed in panels, `cpu_kernels.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
+State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the update
+(the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed alternately in one run, best
+of --repeats, and the ratio printed.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
         p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
-    if min(args.rows) < 1 or args.chain_mib < 1 or args.repeats < 1:
-        p.error("need rows >= 1, --chain-mib >= 1 and --repeats >= 1")
+    if not all(1 <= r <= 16 for r in args.rows) or args.chain_mib < 1 or args.repeats < 1:
+        p.error("need 1 <= rows <= 16 (the kernels' range), --chain-mib >= 1 and --repeats >= 1")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: the parent directory does not exist")
     return args
@@ -73,11 +73,15 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
     count = max(1, -(-chain_bytes // (n * k * 4)))
     rng = np.random.default_rng(0)
     weights = [jax.device_put(rng.standard_normal((n, k), np.float32)) for _ in range(count)]
-    packed = [cpu_kernels.pack(w) for w in weights]  # what `Linear.pack` keeps beside each weight
     x = jax.device_put(rng.standard_normal((rows, k), np.float32))
-    kernel = jax.jit(lambda x, ps: sum(cpu_kernels._kernel(x, p, n) for p in ps))
+    if rows == 1:  # the matrix-vector kernel, on the weights as they are
+        kernel = jax.jit(lambda x, ws: sum(cpu_kernels._matvec(x, w) for w in ws))
+        operands = weights
+    else:  # the panel kernel, on what `Linear.pack` keeps beside each weight
+        kernel = jax.jit(lambda x, ps: sum(cpu_kernels._kernel(x, p, n) for p in ps))
+        operands = [cpu_kernels.pack(w) for w in weights]
     xla = jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws))
-    calls = {"kernel": functools.partial(kernel, x, packed), "xla": functools.partial(xla, x, weights)}
+    calls = {"kernel": functools.partial(kernel, x, operands), "xla": functools.partial(xla, x, weights)}
     best = best_times(calls, repeats)
     read = count * n * k * 4
     return dict(
@@ -157,10 +161,7 @@ def main(argv=None) -> int:
         measure(s, r, args.chain_mib << 20, args.repeats)
         for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
     ]
-    print(
-        f"{args.shape} weight shapes, float32; GB/s of weights read (kernel used for rows "
-        f"{cpu_kernels.MIN_ROWS}-{cpu_kernels.MAX_ROWS})"
-    )
+    print(f"{args.shape} weight shapes, float32; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's panels)")
     print("| W (out x in) | rows | kernel GB/s | XLA GB/s | kernel / XLA |")
     print("|---|---|---|---|---|")
     for r in results:

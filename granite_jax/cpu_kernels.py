@@ -1,9 +1,10 @@
 """CPU kernels for the two memory-bound parts of a decode step, where XLA:CPU leaves bandwidth unused.
 
 - `linear`: y = x W^T for the few rows of a decode step. Decoding multiplies 1-16 rows of activations by every weight
-  matrix, once per token: the step is bound by reading the weights. XLA:CPU reaches that bound at one row but runs
-  2-16 rows as library GEMMs at a third of the memory bandwidth (docs/generation.md). Float32 products of 2-16 rows go
-  to `csrc/small_matmul.cc`, which streams W once.
+  matrix, once per token: the step is bound by reading the weights. XLA:CPU runs 2-16 rows as library GEMMs at a third
+  of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md). Float32
+  products of one row, on W as it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which
+  streams W once.
 - `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
@@ -37,9 +38,10 @@ from jax import lax
 
 Array = jax.Array
 
-MIN_ROWS, MAX_ROWS = 2, 16  # other products are left to XLA: one row (its matrix-vector product is fast), prefill
+MIN_ROWS, MAX_ROWS = 2, 16  # rows for the kernel on packed weights; more (prefill) are left to XLA
 LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
 TARGET = "granite_small_matmul_f32"
+MATVEC_TARGET = "granite_matvec_f32"
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
@@ -71,13 +73,20 @@ def unpack(packed: Array, n: int) -> Array:
 
 
 def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
-    """x (..., K) @ w (N, K)^T -> (..., N): with w's panels (`pack(w)`), the CPU kernel for float32 products of
-    MIN_ROWS..MAX_ROWS rows; otherwise XLA."""
+    """x (..., K) @ w (N, K)^T -> (..., N). On CPUs with the kernels, in float32: one row by the matrix-vector kernel
+    on w; MIN_ROWS..MAX_ROWS rows, given w's panels (`pack(w)`), by the panel kernel; otherwise XLA."""
+    # The kernels are chosen when lowering: on every platform but the CPU, XLA's product with w.
+    if uses_matvec(x, w):
+        return lax.platform_dependent(x, w, cpu=_matvec, default=dot)
     if packed is None or not uses_kernel(x, packed):
         return dot(x, w)
     n = w.shape[0]
-    # Chosen when lowering: the kernel on CPU, XLA's product with w on every other platform.
     return lax.platform_dependent(x, w, packed, cpu=lambda x, w, p: _kernel(x, p, n), default=lambda x, w, p: dot(x, w))
+
+
+def uses_matvec(x: Array, w: Array) -> bool:
+    """Whether `linear(x, w)` runs the matrix-vector kernel when lowered for a CPU."""
+    return math.prod(x.shape[:-1]) == 1 and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and available()
 
 
 def uses_kernel(x: Array, packed: Array) -> bool:
@@ -96,6 +105,18 @@ def uses_kernel(x: Array, packed: Array) -> bool:
 def _kernel(x: Array, packed: Array, n: int) -> Array:
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, packed)
+
+
+@jax.custom_jvp
+def _matvec(x: Array, w: Array) -> Array:
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(MATVEC_TARGET, out, vmap_method="sequential")(x, w)
+
+
+@_matvec.defjvp
+def _matvec_jvp(primals, tangents):  # bilinear, written with XLA products so that JAX can transpose it
+    (x, w), (dx, dw) = primals, tangents
+    return _matvec(x, w), dot(dx, w) + dot(x, dw)
 
 
 @_kernel.defjvp
@@ -151,7 +172,8 @@ def describe() -> str:
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
-    return f"cpu_kernels: products of {MIN_ROWS}-{MAX_ROWS} float32 rows on packed weights, Mamba state update"
+    products = f"float32 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
+    return f"cpu_kernels: {products}; Mamba state update"
 
 
 _LOCK = threading.Lock()
@@ -170,7 +192,7 @@ def _build_and_register() -> str | None:
         return reason
     try:
         library = ctypes.CDLL(str(_compiled_library()))
-        for target in (TARGET, SSM_TARGET):
+        for target in (TARGET, MATVEC_TARGET, SSM_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()

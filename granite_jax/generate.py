@@ -589,12 +589,19 @@ class Generator:
         self._push(rows, np.asarray(tokens))
         t2 = time.perf_counter()
         steps = produced = 0
+        # Each step is queued before the tokens of the one ahead of it are read, so that the host's work (dispatch,
+        # detokenizing, streaming) overlaps the device's. A stop is seen one step late: that step is wasted.
+        in_flight = None
         for step in range(1, layout.max_new_tokens):
             if all(row.done for row in rows):
                 break
             _, tokens, cache = decode(cache, tokens, params, np.int32(step))
-            produced += self._push(rows, np.asarray(tokens))
             steps += 1
+            if in_flight is not None:
+                produced += self._push(rows, np.asarray(in_flight))
+            in_flight = tokens
+        if in_flight is not None:
+            produced += self._push(rows, np.asarray(in_flight))
         t3 = time.perf_counter()
         for row in rows:
             row.finish()

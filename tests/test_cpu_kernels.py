@@ -77,20 +77,40 @@ def test_matches_float64(rows, k, n):
     assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30)
 
 
-def test_empty_contraction_gives_zeros():
-    x, w = np.ones((3, 0), np.float32), np.ones((5, 0), np.float32)
-    np.testing.assert_array_equal(np.asarray(jax.jit(packed_linear)(x, w)), np.zeros((3, 5), np.float32))
+# One row, on w as it is: K with and without whole vectors of 8, N from one row to several thread chunks with rows
+# left over after the four streams of a chunk, the tied head's shape.
+@pytest.mark.parametrize(
+    "rows,k,n",
+    [((1,), 1, 1), ((1,), 7, 3), ((1, 1), 8, 33), ((1,), 15, 129), ((1,), 768, 1001), ((1,), 64, 100352)],
+)
+def test_one_row_matches_float64(rows, k, n):
+    x, w = operands(rows, k, n)
+    assert cpu_kernels.uses_matvec(x, w)
+    assert cpu_kernels.MATVEC_TARGET in lowered(cpu_kernels.linear, x, w)
+    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30)
+
+
+@pytest.mark.parametrize("linear", [packed_linear, cpu_kernels.linear], ids=["packed", "one row"])
+def test_empty_contraction_gives_zeros(linear):
+    rows = 3 if linear is packed_linear else 1
+    x, w = np.ones((rows, 0), np.float32), np.ones((5, 0), np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(linear)(x, w)), np.zeros((rows, 5), np.float32))
 
 
 @pytest.mark.parametrize(
     "rows,dtype",
-    [((1,), jnp.float32), ((17,), jnp.float32), ((4, 8), jnp.float32), ((8,), jnp.bfloat16), ((8,), jnp.float16)],
+    [((17,), jnp.float32), ((4, 8), jnp.float32), ((8,), jnp.bfloat16), ((1,), jnp.bfloat16), ((8,), jnp.float16)],
 )
 def test_other_products_stay_with_xla(rows, dtype):
-    # One row (XLA's matrix-vector product is fast), more than MAX_ROWS rows (prefill, training), other dtypes.
+    # More than MAX_ROWS rows (prefill, training), other dtypes.
     x, w = (jnp.asarray(a, dtype) for a in operands(rows, 32, 24))
-    assert not cpu_kernels.uses_kernel(x, cpu_kernels.pack(w))
-    assert cpu_kernels.TARGET not in lowered(packed_linear, x, w)
+    assert not cpu_kernels.uses_kernel(x, cpu_kernels.pack(w)) and not cpu_kernels.uses_matvec(x, w)
+    text = lowered(packed_linear, x, w)
+    assert cpu_kernels.TARGET not in text and cpu_kernels.MATVEC_TARGET not in text
     got = np.asarray(packed_linear(x, w), np.float64)
     x64, w64 = (np.asarray(t, np.float64) for t in (x, w))
     tolerance = 1e-5 if dtype == jnp.float32 else 3e-2  # 16-bit outputs are rounded to 8 or 11 significant bits
@@ -99,24 +119,27 @@ def test_other_products_stay_with_xla(rows, dtype):
 
 def test_unpacked_weights_stay_with_xla():
     x, w = operands((8,), 32, 24)
-    assert cpu_kernels.TARGET not in lowered(cpu_kernels.linear, x, w)
+    text = lowered(cpu_kernels.linear, x, w)
+    assert cpu_kernels.TARGET not in text and cpu_kernels.MATVEC_TARGET not in text
 
 
-def test_other_platforms_get_xla_products():
-    x, w = operands((8,), 32, 24)
+@pytest.mark.parametrize("rows", [(8,), (1,)])
+def test_other_platforms_get_xla_products(rows):
+    x, w = operands(rows, 32, 24)
     text = lowered(packed_linear, x, w, platform="cuda")
-    assert cpu_kernels.TARGET not in text and "dot_general" in text
+    assert cpu_kernels.TARGET not in text and cpu_kernels.MATVEC_TARGET not in text and "dot_general" in text
 
 
-def test_gradients_and_vmap():
-    x, w = operands((4,), 40, 21)
-    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(packed_linear(x, w))), argnums=(0, 1)))(x, w)
+@pytest.mark.parametrize("rows,linear", [((4,), packed_linear), ((1,), cpu_kernels.linear)], ids=["packed", "one row"])
+def test_gradients_and_vmap(rows, linear):
+    x, w = operands(rows, 40, 21)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(linear(x, w))), argnums=(0, 1)))(x, w)
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     upstream = np.cos(x64 @ w64.T)  # d sum(sin(y)) / dy, y = x w^T
     for got, want in zip(grads, (upstream @ w64, upstream.T @ x64)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
     xs = np.stack([x, 2 * x, -x])
-    batched = jax.jit(jax.vmap(packed_linear, in_axes=(0, None)))(xs, w)
+    batched = jax.jit(jax.vmap(linear, in_axes=(0, None)))(xs, w)
     np.testing.assert_allclose(np.asarray(batched), np.einsum("bmk,nk->bmn", xs, w), rtol=1e-5, atol=1e-5)
 
 
@@ -245,22 +268,24 @@ BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 def test_benchmark_script_times_every_weight_shape(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, BENCHMARK, "--rows", "2,9", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    cmd = [sys.executable, BENCHMARK, "--rows", "1,9", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     shapes = {(r["out"], r["inp"]) for r in doc["results"]}
     # h-350m: Mamba in/out, attention q/k/v/o, shared-MLP in/out and the tied head (vocab x hidden)
     assert {(3376, 768), (768, 1536), (768, 768), (256, 768), (4096, 768), (768, 2048), (100352, 768)} <= shapes
-    assert sorted({r["rows"] for r in doc["results"]}) == [2, 9]
+    assert sorted({r["rows"] for r in doc["results"]}) == [1, 9]
     assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["results"])
     assert doc["environment"]["cpu_kernels"].startswith("cpu_kernels:")
-    assert [r["batch"] for r in doc["state_update"]] == [2, 9]
+    assert [r["batch"] for r in doc["state_update"]] == [1, 9]
     assert all(r["layers"] == 28 and r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["state_update"])
     assert "| 100352 x 768 | 9 |" in proc.stdout
 
 
 def test_benchmark_script_refuses_bad_arguments(tmp_path):
-    for args, message in ((["--rows", "2,x"], "--rows"), (["--json", str(tmp_path / "no" / "x.json")], "--json")):
+    no_dir = str(tmp_path / "no" / "x.json")
+    bad = ((["--rows", "2,x"], "--rows"), (["--rows", "17"], "rows <= 16"), (["--json", no_dir], "--json"))
+    for args, message in bad:
         proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
