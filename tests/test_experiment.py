@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from granite_jax import experiment
+from granite_jax import cpu_kernels, experiment
 from granite_jax.config import ATTENTION, ModelConfig
 from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
 from granite_jax.presets import RELEASED
@@ -131,7 +131,9 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     experts_per_layer = cfg.num_local_experts * 3 * cfg.intermediate_size * cfg.hidden_size  # (gate, up), down
     unread = cfg.num_layers * experts_per_layer * (1 - cfg.num_experts_per_tok / cfg.num_local_experts)
     assert unread > 0 and summary["bytes_read_per_token"] == pytest.approx(summary["param_bytes"] - 4 * unread)
-    best = max(summary["bandwidth_gb_s"].values())
+    best = max(summary["bandwidth_gb_s"].values())  # every probe, the kernels' own product where they run
+    assert {"xla_matvec_rows", "numpy_matvec"} <= set(summary["bandwidth_gb_s"])
+    assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == cpu_kernels.available()
     assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["bytes_read_per_token"])
 
 

@@ -193,6 +193,10 @@ def test_stop_token_ends_each_row_on_its_own(generator, alone):
             assert result.token_ids == expected and result.finish_reason == "length"
     assert len(results[0].token_ids) == first + 1
     assert results[0].text == generator.tokenizer.decode(alone[0][:first], skip_special_tokens=True)
+    # One prompt: its steps are queued one ahead of the tokens read, and the stop still cuts at the same token.
+    (single,) = generator.generate(PROMPTS[0], GREEDY_32.replace(stop_token_ids=(stop,)))
+    assert single.token_ids == results[0].token_ids and single.finish_reason == "stop_token"
+    assert single.timing.decode_tokens == first and single.timing.decode_steps <= first + 1
 
 
 def test_model_eos_stops_by_default(generator):

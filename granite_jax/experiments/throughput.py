@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from granite_jax import compare
+from granite_jax import compare, cpu_kernels
 from granite_jax.experiments.common import (
     ExperimentError,
     Result,
@@ -89,7 +89,8 @@ def run(config) -> Result:
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
     """Read bandwidth in GB/s over `nbytes` of float32, best of `repeats` runs of each probe: a numpy sum, a numpy
     (BLAS) matrix-vector product, an XLA sum, and XLA matrix-vector products with the matrix (in, out) and (out, in),
-    the latter being the decode step's own access pattern (`model.Linear`). Each spreads over all cores if it can."""
+    the latter being the decode step's own access pattern (`model.Linear`), and where the CPU kernels run, their
+    matrix-vector product (batch-1 decode's). Each spreads over all cores if it can."""
     cols = 8192
     rows = max(nbytes // 4 // cols, 1)
     nbytes = rows * cols * 4
@@ -108,6 +109,9 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
         "xla_matvec": lambda: matvec(vector, in_out).block_until_ready(),
         "xla_matvec_rows": lambda: matvec_rows(vector, out_in).block_until_ready(),
     }
+    if cpu_kernels.uses_matvec(vector, out_in):
+        kernel = jax.jit(cpu_kernels.linear)
+        probes["kernel_matvec"] = lambda: kernel(vector, out_in).block_until_ready()
     best = dict.fromkeys(probes, math.inf)
     for probe in probes.values():  # warm up: compile, page in
         probe()
