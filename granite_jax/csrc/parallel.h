@@ -20,6 +20,13 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Items per chunk of parallel_chunks: about `per_thread` chunks per thread of the pool (so that the caller can take
+// over the share of a helper that starts late), and at least `minimum` items.
+inline int64_t chunk_length(xla::ffi::ThreadPool& pool, int64_t items, int64_t minimum, int64_t per_thread) {
+  const int64_t chunks = per_thread * std::max<int64_t>(1, pool.num_threads());
+  return std::max<int64_t>(minimum, (items + chunks - 1) / chunks);
+}
+
 // Runs body(c) for every c in [0, chunks): the calling thread and up to pool.num_threads() - 1 helper tasks claim
 // chunks from one atomic counter. The caller waits only for chunks a helper has claimed, and a claimed chunk is being
 // computed, so there is no deadlock even when every pool thread is busy elsewhere. Helpers that start after the

@@ -151,8 +151,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 
   const float* ws = w.typed_data();
   const float* xts = xt.data();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunk = std::max<int64_t>(8, (P + 2 * threads - 1) / (2 * threads));  // ~2 chunks a thread
+  const int64_t chunk = granite::chunk_length(pool, P, 8, 2);
   granite::parallel_chunks(pool, (P + chunk - 1) / chunk, [=](int64_t c) {
     panels(xts, ws, out, M, K, N, c * chunk, std::min(P, (c + 1) * chunk));
   });
@@ -175,8 +174,7 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   }
   const float* xs = x.typed_data();
   const float* ws = w.typed_data();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunk = std::max<int64_t>(8 * STREAMS, (N + 2 * threads - 1) / (2 * threads));  // ~2 chunks a thread
+  const int64_t chunk = granite::chunk_length(pool, N, 8 * STREAMS, 2);
   granite::parallel_chunks(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
     matvec_rows(xs, ws, out, K, c * chunk, std::min(N, (c + 1) * chunk));
   });

@@ -60,8 +60,7 @@ ffi::Error SsmUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buf
   if (slabs == 0) return ffi::Error::Success();
   const float *decays = decay.typed_data(), *dtxs = dtx.typed_data(), *Bs = B.typed_data(), *Cs = C.typed_data();
   float* ys = y->typed_data();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t chunk = std::max<int64_t>(1, (slabs + 4 * threads - 1) / (4 * threads));  // ~4 chunks a thread
+  const int64_t chunk = granite::chunk_length(pool, slabs, 1, 4);
   granite::parallel_chunks(pool, (slabs + chunk - 1) / chunk, [=](int64_t c) {
     for (int64_t i = c * chunk, end = std::min(slabs, i + chunk); i < end; ++i) {
       const int64_t group = (i / H) * G + (i % H) / (H / G);  // sequence b = i / H, head h = i % H
