@@ -2,8 +2,9 @@
 
 A table maps every checkpoint name to a path in the NNX state and a transform (linear weights keep torch's
 [out, in] layout, see `model.Linear`; expert weights and the conv are rearranged); each tensor's shape is checked
-against the abstract model before it is placed. Tensors are read one at a time and cast to the requested dtype, so
-peak host memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are
+against the abstract model before it is placed, and so is its dtype (a floating-point one: integer or 8-bit tensors of a
+quantized checkpoint are refused, not cast). Tensors are read one at a time and cast to the requested dtype, so peak
+host memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are
 refused, never unpickled.
 """
 
@@ -42,6 +43,7 @@ class Transform:
 KEEP = Transform(lambda w: w, lambda s: s)
 EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
 CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the requested dtype; anything else is an error
 
 # (checkpoint name regex, NNX state path template, transform)
 _L = r"model\.layers\.(\d+)\."
@@ -183,6 +185,11 @@ def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: boo
             raise CheckpointError(f"{path}: tensor {name!r} does not exist in this model's config (maps to {target})")
         if target in source:
             raise CheckpointError(f"{path}: tensor {name!r} sets {target}, which {source[target]!r} already set")
+        if np.dtype(tensor.dtype).name not in WEIGHT_DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has dtype {np.dtype(tensor.dtype).name}, expected one of "
+                f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)"
+            )
         want = transform.source_shape(tuple(expected[target].shape))
         if tuple(tensor.shape) != want:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}")

@@ -90,6 +90,15 @@ def test_misshaped_tensor_is_named_with_both_shapes(tiny_checkpoint, tmp_path):
         load_model(d)
 
 
+def test_integer_tensor_is_refused_not_cast(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.update({"model.layers.1.self_attn.q_proj.weight": np.ones((64, 64), np.int8)}))
+    with pytest.raises(
+        CheckpointError, match=r"'model.layers.1.self_attn.q_proj.weight' has dtype int8, expected one of float32"
+    ):
+        load_model(d)
+
+
 def test_truncated_file(tiny_checkpoint, tmp_path):
     d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
     path = os.path.join(d, "model.safetensors")

@@ -347,8 +347,9 @@ def test_closure_over_traced_values_and_static_arguments():
 
 def test_static_arguments_of_different_types_trace_apart():
     a, b = rand(8, 6), rand(6, 5, seed=1)
-    signed = rewriter.rewrite(lambda a, b, flag: matmul_as_sum(a, b) if flag is True else -matmul_as_sum(a, b),
-                              **GATE_OFF)
+    signed = rewriter.rewrite(
+        lambda a, b, flag: matmul_as_sum(a, b) if flag is True else -matmul_as_sum(a, b), **GATE_OFF
+    )
     np.testing.assert_array_equal(signed(a, b, 1), -signed(a, b, True))  # 1 == True, but a different trace
     scaled = rewriter.rewrite(lambda a, b, n: (matmul_as_sum(a, b), jnp.arange(5) * n), **GATE_OFF)
     assert scaled(a, b, 1)[1].dtype == jnp.int32

@@ -102,7 +102,7 @@ def test_fast_decaying_heads_in_256_token_chunks(impl):
     inputs = random_inputs(rng, 1, 300, 4, 8, 1, 16, dt_scale=30.0)
     y_ref, s_ref = float64_reference(inputs, None)
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
-    y, s = (ssd_chunked(**f32, chunk_size=256) if impl == "xla" else ssd(**f32, chunk_size=256, impl=impl))
+    y, s = ssd_chunked(**f32, chunk_size=256) if impl == "xla" else ssd(**f32, chunk_size=256, impl=impl)
     assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
 
 
