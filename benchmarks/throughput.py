@@ -10,7 +10,9 @@ granite-jax through `Generator.measure` (greedy, EOS ignored, compilation exclud
 with per-token timestamps. The same measurement as `python -m granite_jax.compare` and the throughput experiment;
 this script adds the table and the JSON. Prefill tokens/s = batch * prompt_len / time to first token; decode
 tokens/s = batch * (new_tokens - 1) / time for the remaining tokens. The floor is parameter bytes / bandwidth: one
-decode step reads every weight once.
+decode step reads every weight once. That bandwidth is a burst (the best single read of many); with batch 1, the
+script also runs --floor-pairs batch-1 generations each followed by a sustained read of the bytes its decode read
+(`paired_floor`), and prints each pair's ratio and the median.
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, after a warm-up (best kept)")
     p.add_argument("--skip-transformers", action="store_true", help="measure granite-jax only")
+    p.add_argument(
+        "--floor-pairs",
+        type=int,
+        default=5,
+        help="with batch 1: batch-1 runs each followed by a sustained read of the bytes its decode read; the median "
+        "ratio is printed beside the burst floor (0: none)",
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch_sizes) < 1:
-        p.error("need --new-tokens >= 2, --prompt-len >= 1 and batch sizes >= 1")
+    if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch_sizes) < 1 or args.floor_pairs < 0:
+        p.error("need --new-tokens >= 2, --prompt-len >= 1, batch sizes >= 1 and --floor-pairs >= 0")
     if args.checkpoint and args.layers is not None:
         p.error("--layers applies to random weights (--shape) only")
     return args
@@ -53,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One row per (implementation, batch) and the floor, all measured in this process."""
     from granite_jax import compare
-    from granite_jax.experiments.throughput import best_bandwidth, decode_floor, memory_bandwidth
+    from granite_jax.experiments.throughput import best_bandwidth, decode_floor, memory_bandwidth, paired_floor
 
     if args.skip_transformers:
         pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
@@ -75,6 +84,9 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
                     )
                 )
     floor = decode_floor(pair.jax, best_bandwidth(before, memory_bandwidth()))  # probed before and after: best
+    if 1 in args.batch_sizes and args.floor_pairs:
+        read = floor["bytes_read_per_token"]
+        floor["paired"] = paired_floor(pair.generator, read, args.prompt_len, args.new_tokens, args.floor_pairs)
     return sorted(rows, key=lambda r: (r["impl"] != "granite-jax", r["batch"])), floor
 
 
@@ -83,7 +95,7 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
 
 def table(rows: list[dict[str, Any]], floor_tok_s: float) -> str:
     lines = [
-        "| implementation | batch | prefill tok/s | decode tok/s | decode vs transformers | batch-1 decode vs floor |",
+        "| implementation | batch | prefill tok/s | decode tok/s | vs transformers | batch-1 decode vs floor (burst) |",
         "|---|---|---|---|---|---|",
     ]
     hf = {r["batch"]: r["decode_tok_s"] for r in rows if r["impl"] == "transformers"}
@@ -114,6 +126,13 @@ def main(argv=None) -> int:
         + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s\n"
         f"CPU kernels: {env['cpu_kernels']}"
     )
+    if "paired" in floor:
+        p = floor["paired"]
+        header += "\nbatch-1 decode vs a sustained read of the same bytes right after it: " + ", ".join(
+            f"{d:.2f} / {f:.2f} tok/s = {r:.0%}"
+            for d, f, r in zip(p["decode_tok_s"], p["sustained_floor_tok_s"], p["decode_vs_sustained_floors"])
+        )
+        header += f"; median {p['decode_vs_sustained_floor']:.0%}"
     print(header)
     print(table(rows, floor_tok_s))
     if args.json:

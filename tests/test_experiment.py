@@ -13,6 +13,7 @@ import pytest
 
 from granite_jax import cpu_kernels, experiment
 from granite_jax.config import ATTENTION, ModelConfig
+from granite_jax.experiments import throughput
 from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
 from granite_jax.presets import RELEASED
 from granite_jax.testing import TINY_CONFIG
@@ -123,7 +124,8 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
     rows, summary = results["rows"], results["summary"]
-    assert [r["batch"] for r in rows] == [2] and rows[0]["jax_decode_tok_s"] > 0 and "hf_decode_tok_s" not in rows[0]
+    assert [r["batch"] for r in rows] == [1, 2] and all(r["jax_decode_tok_s"] > 0 for r in rows)
+    assert "hf_decode_tok_s" not in rows[0]
     assert open(os.path.join(out, "throughput.png"), "rb").read(8) == PNG
     # The floor: the float32 weights a token reads (all but the experts it is not routed to) at the best bandwidth.
     assert summary["param_bytes"] == 4 * results["model"]["num_params"]
@@ -135,6 +137,27 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     assert {"xla_matvec_rows", "numpy_matvec"} <= set(summary["bandwidth_gb_s"])
     assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == cpu_kernels.available()
     assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["bytes_read_per_token"])
+    # Batch 1 beside a sustained read of the bytes its own decode read, in pairs: the floor of a pair is its best
+    # decode-pattern probe, the ratio is decode over that floor, and the headline is the median ratio.
+    floors, ratios = summary["paired_sustained_floor_tok_s"], summary["paired_decode_vs_sustained_floors"]
+    assert len(floors) == len(ratios) == len(summary["paired_decode_tok_s"]) == 2
+    for decode, floor, ratio, probes in zip(
+        summary["paired_decode_tok_s"], floors, ratios, summary["paired_sustained_gb_s"]
+    ):
+        assert set(probes) == {"xla_matvec_rows"} | ({"kernel_matvec"} if cpu_kernels.available() else set())
+        assert floor == pytest.approx(max(probes.values()) * 1e9 / summary["bytes_read_per_token"])
+        assert ratio == pytest.approx(decode / floor) and decode > 0
+    assert summary["decode_vs_sustained_floor"] == pytest.approx(sum(ratios) / 2)  # the median of two
+
+
+def test_sustained_bandwidth_reads_the_bytes_asked_for(monkeypatch):
+    calls = []
+    probes = {"xla_matvec_rows": lambda: calls.append("rows"), "kernel_matvec": lambda: calls.append("kernel")}
+    monkeypatch.setattr(throughput, "bandwidth_probes", lambda nbytes, names: (1000, probes))
+    out = throughput.sustained_bandwidth(total_bytes=4500, nbytes=1000)
+    assert calls == ["rows"] * 6 + ["kernel"] * 6  # one warm-up each, then ceil(4500 / 1000) reads timed together
+    assert set(out) == set(probes) and all(v > 0 for v in out.values())
+    assert throughput.sustained_bandwidth(total_bytes=1, nbytes=1000) and calls.count("rows") == 8  # at least one
 
 
 def test_bad_workload_values_rejected(tmp_path):
@@ -150,6 +173,10 @@ def test_bad_workload_values_rejected(tmp_path):
     config = load("configs/experiments/throughput.py", "quick")
     config.workload.rewriter = True
     with pytest.raises(ExperimentError, match="workload.rewriter: the throughput experiment"):
+        experiment.run(config)
+    config = load("configs/experiments/throughput.py", "quick")
+    config.measure.floor_pairs = -1
+    with pytest.raises(ExperimentError, match="measure.floor_pairs must be an integer >= 0, got -1"):
         experiment.run(config)
     config = load("configs/experiments/scaling.py", "quick")
     config.measure.repeats = 0

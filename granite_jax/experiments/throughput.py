@@ -8,19 +8,23 @@ prints): granite-jax through `Generator.measure` (compilation excluded and repor
 With `measure.floor_probe_mib` > 0 it also measures the memory bandwidth (`memory_bandwidth`, before and after the
 speed runs, best of both: on a shared machine one probe can land on a busy moment and lower the floor) and reports the
 batch-1 decode floor: one decode step reads every weight it uses once (all parameters but the routed experts the
-token is not sent to), so tokens/s <= bandwidth / those bytes.
+token is not sent to), so tokens/s <= bandwidth / those bytes. That bandwidth is a burst, the best of many single
+reads; with batch 1 among the batch sizes, `paired_floor` also sets batch-1 decode beside a sustained read of the same
+bytes, `measure.floor_pairs` times.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 from tqdm.auto import tqdm
 
 from granite_jax import compare, cpu_kernels
@@ -46,6 +50,8 @@ def run(config) -> Result:
         raise ExperimentError(f"workload.batch_sizes must be positive integers, got {batch_sizes}")
     if w.new_tokens < 2:
         raise ExperimentError("workload.new_tokens must be >= 2 to time decoding")
+    if not isinstance(m.floor_pairs, int) or m.floor_pairs < 0:
+        raise ExperimentError(f"measure.floor_pairs must be an integer >= 0, got {m.floor_pairs!r}")
     spec = model_spec(config)
     set_torch_threads(m.get("torch_threads"), "measure.torch_threads")
     if m.transformers:
@@ -66,6 +72,17 @@ def run(config) -> Result:
         for row in rows:
             if row["batch"] == 1:
                 row["jax_decode_vs_floor"] = row["jax_decode_tok_s"] / floor["decode_floor_tok_s"]
+        if 1 in batch_sizes and m.floor_pairs > 0:
+            paired = paired_floor(
+                pair.generator,
+                floor["bytes_read_per_token"],
+                w.seq_len,
+                w.new_tokens,
+                m.floor_pairs,
+                m.floor_probe_mib << 20,
+            )
+            summary |= {f"paired_{k}": v for k, v in paired.items() if k != "decode_vs_sustained_floor"}
+            summary["decode_vs_sustained_floor"] = paired["decode_vs_sustained_floor"]
     return Result(
         title=f"Throughput: prefill and decode tokens/s ({w.dtype}, prompt {w.seq_len}, {w.new_tokens} new tokens)",
         rows=rows,
@@ -76,7 +93,10 @@ def run(config) -> Result:
             "(jax_compile_s).",
             "speedup = granite-jax tokens/s / transformers tokens/s.",
             "decode floor (batch 1) = memory bandwidth / bytes read per token; bandwidth = the fastest of the probes "
-            "in `bandwidth_gb_s` (summary), measured in the same run.",
+            "in `bandwidth_gb_s` (summary), measured in the same run: the best single 1 GiB read (burst).",
+            "decode_vs_sustained_floor (summary, with batch 1): the median over measure.floor_pairs pairs of a batch-1 "
+            "run and, right after it, the decode-pattern probes reading the bytes that run's decode read "
+            "(paired_*: each pair).",
         ],
         plots={"throughput.png": lambda path: plot(speeds, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
@@ -86,32 +106,60 @@ def run(config) -> Result:
     )
 
 
-def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Read bandwidth in GB/s over `nbytes` of float32, best of `repeats` runs of each probe: a numpy sum, a numpy
-    (BLAS) matrix-vector product, an XLA sum, and XLA matrix-vector products with the matrix (in, out) and (out, in),
-    the latter being the decode step's own access pattern (`model.Linear`), and where the CPU kernels run, their
-    matrix-vector product (batch-1 decode's). Each spreads over all cores if it can."""
+DECODE_PATTERN = ("xla_matvec_rows", "kernel_matvec")  # the probes that read W (N, K) as batch-1 decode does
+
+
+def bandwidth_probes(nbytes: int = 1 << 30, names: tuple[str, ...] | None = None) -> tuple[int, dict[str, Callable]]:
+    """(bytes each probe reads, {name: probe}): reads of one float32 buffer of about `nbytes` (8192 columns): a numpy
+    sum, a numpy (BLAS) matrix-vector product, an XLA sum, XLA matrix-vector products with the matrix (in, out) and
+    (out, in), the latter being the decode step's own access pattern (`model.Linear`), and where the CPU kernels run,
+    their matrix-vector product (batch-1 decode's). Each spreads over all cores if it can. `names`: only these (their
+    buffers only are allocated)."""
     cols = 8192
     rows = max(nbytes // 4 // cols, 1)
-    nbytes = rows * cols * 4
-    host = np.ones((rows, cols), np.float32)
-    host_vector = np.ones(cols, np.float32)
-    flat = jnp.ones(rows * cols, jnp.float32)
-    in_out = jnp.ones((cols, rows), jnp.float32)
-    out_in = jnp.ones((rows, cols), jnp.float32)
     vector = jnp.ones((1, cols), jnp.float32)
-    total, matvec = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-    matvec_rows = jax.jit(lambda v, w: jax.lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
-    probes = {
-        "numpy_sum": lambda: host.sum(),
-        "numpy_matvec": lambda: host @ host_vector,
-        "xla_sum": lambda: total(flat).block_until_ready(),
-        "xla_matvec": lambda: matvec(vector, in_out).block_until_ready(),
-        "xla_matvec_rows": lambda: matvec_rows(vector, out_in).block_until_ready(),
-    }
-    if cpu_kernels.uses_matvec(vector, out_in):
-        kernel = jax.jit(cpu_kernels.linear)
-        probes["kernel_matvec"] = lambda: kernel(vector, out_in).block_until_ready()
+
+    def numpy_sum():
+        host = np.ones((rows, cols), np.float32)
+        return lambda: host.sum()
+
+    def numpy_matvec():
+        host, host_vector = np.ones((rows, cols), np.float32), np.ones(cols, np.float32)
+        return lambda: host @ host_vector
+
+    def xla_sum():
+        flat, total = jnp.ones(rows * cols, jnp.float32), jax.jit(jnp.sum)
+        return lambda: total(flat).block_until_ready()
+
+    def xla_matvec():
+        in_out, matvec = jnp.ones((cols, rows), jnp.float32), jax.jit(jnp.matmul)
+        return lambda: matvec(vector, in_out).block_until_ready()
+
+    def xla_matvec_rows():
+        out_in = jnp.ones((rows, cols), jnp.float32)
+        matvec = jax.jit(lambda v, w: lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
+        return lambda: matvec(vector, out_in).block_until_ready()
+
+    def kernel_matvec():
+        out_in, kernel = jnp.ones((rows, cols), jnp.float32), jax.jit(cpu_kernels.linear)
+        return lambda: kernel(vector, out_in).block_until_ready()
+
+    factories = dict(
+        numpy_sum=numpy_sum,
+        numpy_matvec=numpy_matvec,
+        xla_sum=xla_sum,
+        xla_matvec=xla_matvec,
+        xla_matvec_rows=xla_matvec_rows,
+    )
+    if cpu_kernels.uses_matvec(vector, jax.ShapeDtypeStruct((rows, cols), jnp.float32)):
+        factories["kernel_matvec"] = kernel_matvec
+    chosen = factories if names is None else {name: f for name, f in factories.items() if name in names}
+    return rows * cols * 4, {name: make() for name, make in chosen.items()}
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Burst read bandwidth in GB/s: the best of `repeats` single reads by each of `bandwidth_probes`."""
+    nbytes, probes = bandwidth_probes(nbytes)
     best = dict.fromkeys(probes, math.inf)
     for probe in probes.values():  # warm up: compile, page in
         probe()
@@ -121,6 +169,45 @@ def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
             probe()
             best[name] = min(best[name], time.perf_counter() - t)
     return {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
+
+
+def sustained_bandwidth(total_bytes: int, nbytes: int = 1 << 30) -> dict[str, float]:
+    """Sustained read bandwidth in GB/s of each decode-pattern probe (`DECODE_PATTERN`): ceil(total_bytes / nbytes)
+    reads of its buffer back to back, timed together: the traffic of a decode run, over about the same time."""
+    nbytes, probes = bandwidth_probes(nbytes, DECODE_PATTERN)
+    passes = max(1, math.ceil(total_bytes / nbytes))
+    out = {}
+    for name, probe in probes.items():
+        probe()  # warm up: compile, page in
+        t = time.perf_counter()
+        for _ in range(passes):
+            probe()
+        out[name] = passes * nbytes / (time.perf_counter() - t) / 1e9
+    return out
+
+
+def paired_floor(
+    generator, read_bytes: int, prompt_len: int, new_tokens: int, pairs: int = 3, nbytes: int = 1 << 30
+) -> dict[str, Any]:
+    """Batch-1 decode against a weights-read floor measured beside it, `pairs` times: each pair is one greedy run
+    (`Generator.measure`, after a warm-up) and, right after it, `sustained_bandwidth` over the bytes that run's decode
+    read (tokens x `read_bytes`). Both sides read the same bytes over about the same seconds, so a busy moment of the
+    machine weighs on both. Returns per-pair lists (decode and floor tokens/s, their ratio, the probes' GB/s) and the
+    median ratio, `decode_vs_sustained_floor`."""
+    generator.measure(1, prompt_len, new_tokens)
+    out: dict[str, Any] = dict(
+        decode_tok_s=[], sustained_floor_tok_s=[], decode_vs_sustained_floors=[], sustained_gb_s=[]
+    )
+    for i in range(pairs):
+        t = generator.measure(1, prompt_len, new_tokens, seed=i + 1)
+        bandwidth = sustained_bandwidth(t.decode_tokens * read_bytes, nbytes)
+        floor = max(bandwidth.values()) * 1e9 / read_bytes
+        out["decode_tok_s"].append(t.decode_tokens_per_s)
+        out["sustained_floor_tok_s"].append(floor)
+        out["decode_vs_sustained_floors"].append(t.decode_tokens_per_s / floor)
+        out["sustained_gb_s"].append(bandwidth)
+    out["decode_vs_sustained_floor"] = float(np.median(out["decode_vs_sustained_floors"]))
+    return out
 
 
 def best_bandwidth(*probes: dict[str, float]) -> dict[str, float]:
