@@ -49,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with batch 1: batch-1 runs each followed by a sustained read of the bytes its decode read; the median "
         "ratio is printed beside the burst floor (0: none)",
     )
+    p.add_argument(
+        "--probe-mib", type=int, default=1024, help="size of each memory-bandwidth probe's buffer, in MiB (the floor)"
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -56,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need --new-tokens >= 2, --prompt-len >= 1, batch sizes >= 1 and --floor-pairs >= 0")
     if args.checkpoint and args.layers is not None:
         p.error("--layers applies to random weights (--shape) only")
+    if args.probe_mib < 1:
+        p.error(f"--probe-mib must be >= 1, got {args.probe_mib}")
+    if args.json not in (None, "-") and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: the directory does not exist")
     return args
 
 
@@ -68,7 +75,8 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
         pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
     else:
         pair = compare.load_pair(spec, dtype=args.dtype)
-    before = memory_bandwidth()
+    probe_bytes = args.probe_mib << 20
+    before = memory_bandwidth(probe_bytes)
     rows = []
     for batch in tqdm(args.batch_sizes, desc="benchmark", unit="batch", file=sys.stderr):
         (s,) = compare.speed(pair, (batch,), args.prompt_len, args.new_tokens, args.repeats)
@@ -83,10 +91,10 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
                         decode_tok_s=t["decode_tokens_per_s"],
                     )
                 )
-    floor = decode_floor(pair.jax, best_bandwidth(before, memory_bandwidth()))  # probed before and after: best
+    floor = decode_floor(pair.jax, best_bandwidth(before, memory_bandwidth(probe_bytes)))  # before and after: best
     if 1 in args.batch_sizes and args.floor_pairs:
-        read = floor["bytes_read_per_token"]
-        floor["paired"] = paired_floor(pair.generator, read, args.prompt_len, args.new_tokens, args.floor_pairs)
+        read, pairs = floor["bytes_read_per_token"], args.floor_pairs
+        floor["paired"] = paired_floor(pair.generator, read, args.prompt_len, args.new_tokens, pairs, probe_bytes)
     return sorted(rows, key=lambda r: (r["impl"] != "granite-jax", r["batch"])), floor
 
 
@@ -112,10 +120,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from granite_jax.experiments.common import ModelSpec, environment
+    from granite_jax.config import ConfigError
+    from granite_jax.experiments.common import ExperimentError, ModelSpec, environment
+    from granite_jax.params import CheckpointError
 
     spec = ModelSpec(checkpoint=args.checkpoint, name=args.shape, num_layers=args.layers)
-    rows, floor = measure(spec, args)
+    try:
+        rows, floor = measure(spec, args)
+    except (ExperimentError, CheckpointError, ConfigError) as e:
+        print(f"throughput.py: error: {e}", file=sys.stderr)
+        return 2
     env = environment()
     bandwidth, floor_tok_s = floor["bandwidth_gb_s"], floor["decode_floor_tok_s"]
     header = (

@@ -150,6 +150,39 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     assert summary["decode_vs_sustained_floor"] == pytest.approx(sum(ratios) / 2)  # the median of two
 
 
+THROUGHPUT_SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")
+
+
+def test_throughput_script_on_a_checkpoint(tiny_checkpoint, tmp_path):
+    out = tmp_path / "throughput.json"
+    args = ["--checkpoint", tiny_checkpoint, "--skip-transformers", "--prompt-len", "8", "--new-tokens", "3"]
+    args += ["--batch-sizes", "1,2", "--repeats", "1", "--floor-pairs", "2", "--probe-mib", "8", "--json", str(out)]
+    proc = subprocess.run([sys.executable, THROUGHPUT_SCRIPT, *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [(r["impl"], r["batch"]) for r in doc["rows"]] == [("granite-jax", 1), ("granite-jax", 2)]
+    paired = doc["paired"]
+    assert len(paired["decode_tok_s"]) == 2 and "median" in proc.stdout and "| granite-jax | 1 |" in proc.stdout
+    floors = [max(p.values()) * 1e9 / doc["bytes_read_per_token"] for p in paired["sustained_gb_s"]]
+    assert paired["sustained_floor_tok_s"] == pytest.approx(floors)
+    b1 = doc["rows"][0]["decode_tok_s"]
+    best = max(doc["bandwidth_gb_s"].values())
+    assert doc["decode_floor_tok_s"] == pytest.approx(best * 1e9 / doc["bytes_read_per_token"])
+    assert f"{b1 / doc['decode_floor_tok_s']:.0%} |" in proc.stdout  # the burst-floor column of batch 1
+
+
+def test_throughput_script_refuses_bad_input(tmp_path):
+    bad = (
+        (["--floor-pairs", "-1"], "--floor-pairs >= 0"),
+        (["--probe-mib", "0"], "--probe-mib must be >= 1"),
+        (["--json", str(tmp_path / "no" / "x.json")], "the directory does not exist"),
+        (["--checkpoint", str(tmp_path / "missing"), "--skip-transformers"], "model directory not found"),
+    )
+    for args, message in bad:
+        proc = subprocess.run([sys.executable, THROUGHPUT_SCRIPT, *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_sustained_bandwidth_reads_the_bytes_asked_for(monkeypatch):
     calls = []
     probes = {"xla_matvec_rows": lambda: calls.append("rows"), "kernel_matvec": lambda: calls.append("kernel")}
