@@ -1,10 +1,13 @@
-"""CPU kernels for the two memory-bound parts of a decode step, where XLA:CPU leaves bandwidth unused.
+"""CPU kernels for the memory-bound parts of a decode step, where XLA:CPU leaves bandwidth unused.
 
 - `linear`: y = x W^T for the few rows of a decode step. Decoding multiplies 1-16 rows of activations by every weight
   matrix, once per token: the step is bound by reading the weights. XLA:CPU runs 2-16 rows as library GEMMs at a third
   of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md). Float32
   products of one row, on W as it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which
   streams W once.
+- `expert_linear`: y[r] = x[r] W[e[r]] for the few (token, expert) rows of a mixture-of-experts decode step, W the
+  stacked experts (E, K, N). XLA gathers the chosen experts into a copy first (slowly: the gather was most of an h-tiny
+  decode step); the kernel reads each chosen expert in place.
 - `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
@@ -42,6 +45,7 @@ MIN_ROWS, MAX_ROWS = 2, 16  # rows for the kernel on packed weights; more (prefi
 LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
 TARGET = "granite_small_matmul_f32"
 MATVEC_TARGET = "granite_matvec_f32"
+EXPERT_TARGET = "granite_expert_matvec_f32"
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
@@ -82,6 +86,36 @@ def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
         return dot(x, w)
     n = w.shape[0]
     return lax.platform_dependent(x, w, packed, cpu=lambda x, w, p: _kernel(x, p, n), default=lambda x, w, p: dot(x, w))
+
+
+def expert_linear(x: Array, w: Array, experts: Array) -> Array:
+    """x (R, K) rows each through its expert's matrix: y[r] = x[r] @ w[experts[r]], w (E, K, N), experts (R,) int ->
+    (R, N). On CPUs with the kernels, in float32, each chosen expert is read in place; otherwise XLA's gather and
+    product. Expert ids outside [0, E) are an error in the kernel (XLA's gather would clamp them)."""
+    if uses_expert_kernel(x, w):
+        return lax.platform_dependent(x, w, experts, cpu=_expert_kernel, default=_expert_xla)
+    return _expert_xla(x, w, experts)
+
+
+def uses_expert_kernel(x: Array, w: Array) -> bool:
+    """Whether `expert_linear(x, w, experts)` runs the kernel when lowered for a CPU."""
+    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype == jnp.float32 and available()
+
+
+def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
+    return jnp.einsum("rk,rkn->rn", x, w[experts])
+
+
+@jax.custom_jvp
+def _expert_kernel(x: Array, w: Array, experts: Array) -> Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
+    return jax.ffi.ffi_call(EXPERT_TARGET, out, vmap_method="sequential")(x, w, experts.astype(jnp.int32))
+
+
+@_expert_kernel.defjvp
+def _expert_kernel_jvp(primals, tangents):  # bilinear in (x, w): XLA's version, so that JAX can transpose it
+    (x, w, experts), (dx, dw, _) = primals, tangents
+    return _expert_kernel(x, w, experts), _expert_xla(dx, w, experts) + _expert_xla(x, dw, experts)
 
 
 def uses_matvec(x: Array, w: Array) -> bool:
@@ -173,7 +207,7 @@ def describe() -> str:
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
-    return f"cpu_kernels: {products}; Mamba state update"
+    return f"cpu_kernels: {products}; decode's expert products; Mamba state update"
 
 
 _LOCK = threading.Lock()
@@ -192,7 +226,7 @@ def _build_and_register() -> str | None:
         return reason
     try:
         library = ctypes.CDLL(str(_compiled_library()))
-        for target in (TARGET, MATVEC_TARGET, SSM_TARGET):
+        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, SSM_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()

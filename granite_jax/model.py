@@ -362,10 +362,14 @@ class MoE(nnx.Module):
         return jax.nn.silu(gate) * up
 
     def _gathered(self, x: Array, experts: Array, gates: Array) -> Array:
-        w_in = self.input_linear[...][experts].astype(self.dtype)  # (N, k, H, 2I)
-        w_out = self.output_linear[...][experts].astype(self.dtype)  # (N, k, I, H)
-        h = self._swiglu(jnp.einsum("nd,nkdf->nkf", x, w_in))
-        return jnp.einsum("nkf,nkfd,nk->nd", h, w_out, gates)
+        """One row per (token, chosen expert), each through its expert's weights (read in place by
+        `cpu_kernels.expert_linear` on CPUs, gathered by XLA elsewhere)."""
+        N, k = experts.shape
+        rows, flat = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # (N k, H), (N k,)
+        w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
+        h = self._swiglu(cpu_kernels.expert_linear(rows, w_in, flat))  # (N k, I)
+        y = cpu_kernels.expert_linear(h, w_out, flat).reshape(N, k, -1)  # (N, k, H)
+        return jnp.einsum("nkd,nk->nd", y, gates)
 
     def _grouped(self, x: Array, experts: Array, gates: Array) -> Array:
         """Sort the N*k (token, expert) rows by expert; run each expert's rows through its weights; scatter back."""

@@ -143,6 +143,60 @@ def test_gradients_and_vmap(rows, linear):
     np.testing.assert_allclose(np.asarray(batched), np.einsum("bmk,nk->bmn", xs, w), rtol=1e-5, atol=1e-5)
 
 
+# ---------------------------------------------------------------------------------------------- expert products
+
+
+def expert_operands(r: int, e: int, k: int, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((r, k)).astype(np.float32)
+    w = rng.standard_normal((e, k, n)).astype(np.float32)
+    return x, w, rng.integers(0, e, r).astype(np.int32)
+
+
+# h-tiny's experts at batch 1 (6 rows, in and out), batch 8 (48 rows, repeated experts); K with a tail past the
+# four-row step and shorter than one chunk, N with a tail past the 8-float vector; one expert.
+@pytest.mark.parametrize(
+    "r,e,k,n", [(6, 64, 1536, 1024), (6, 64, 512, 1536), (48, 64, 512, 1536), (3, 5, 130, 9), (2, 1, 3, 7)]
+)
+def test_expert_rows_match_float64(r, e, k, n):
+    x, w, experts = expert_operands(r, e, k, n)
+    assert cpu_kernels.uses_expert_kernel(x, w)
+    assert cpu_kernels.EXPERT_TARGET in lowered(cpu_kernels.expert_linear, x, w, experts)
+    got = np.asarray(jax.jit(cpu_kernels.expert_linear)(x, w, experts), np.float64)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want = np.einsum("rk,rkn->rn", x64, w64[experts])
+    bound = np.einsum("rk,rkn->rn", np.abs(x64), np.abs(w64)[experts])
+    assert np.all(np.abs(got - want) <= 1e-5 * bound)
+
+
+def test_expert_rows_edge_cases():
+    x, w, experts = expert_operands(3, 4, 0, 5)
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu_kernels.expert_linear)(x, w, experts)), np.zeros((3, 5)))
+    x, w, _ = expert_operands(2, 4, 16, 8)
+    with pytest.raises(Exception, match="expert index is out of range"):  # XLA's gather would clamp it silently
+        jax.block_until_ready(jax.jit(cpu_kernels.expert_linear)(x, w, np.array([1, 4], np.int32)))
+
+
+def test_expert_rows_elsewhere_are_xla():
+    x, w, experts = expert_operands(4, 3, 16, 8)
+    assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x, w, experts, platform="cuda")
+    x16, w16 = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    assert not cpu_kernels.uses_expert_kernel(x16, w16)
+    assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x16, w16, experts)
+
+
+def test_expert_rows_gradients():
+    x, w, experts = expert_operands(5, 3, 12, 7, seed=1)
+    loss = lambda x, w: jnp.sum(jnp.sin(cpu_kernels.expert_linear(x, w, experts)))  # noqa: E731
+    gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    upstream = np.cos(np.einsum("rk,rkn->rn", x64, w64[experts]))
+    want_w = np.zeros_like(w64)
+    np.add.at(want_w, experts, np.einsum("rk,rn->rkn", x64, upstream))  # rows sharing an expert add up
+    np.testing.assert_allclose(np.asarray(gx), np.einsum("rn,rkn->rk", upstream, w64[experts]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(gw), want_w, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------- Mamba state update
 
 

@@ -1,10 +1,16 @@
-// y = x W^T in float32 for the few rows of x of a decoding step (granite_jax/cpu_kernels.py): two kernels.
+// The products of a decoding step in float32 for the few rows of x (granite_jax/cpu_kernels.py): three kernels.
 //
 // MatVec, one row of x, W as it is, (N, K) row-major. XLA:CPU walks W a few rows at a time, so at K = 768 it
 // starts a new 3 KB stream every few rows and the hardware prefetchers, which learn one stream at a time, lag:
 // 21 GB/s where K = 8192 reaches 24-25. Here each thread reads STREAMS far-apart row ranges at once, one row of each
 // per step, so every range is one long sequential stream (24-34 GB/s on a chain of the decode step's products on
 // this repository's 2-core test VM, 1.2-1.4x the few-rows-at-a-time order in the same run).
+//
+// ExpertMatvec, a few rows of x each through its own expert's matrix, W stacked (E, K, N) row-major as in the model
+// (`model.MoE`): y[r] = x[r] W[e[r]]. XLA gathers the chosen experts' matrices into a copy first, at a few GB/s;
+// here each row reads its expert in place, K split into chunks that the threads share, each chunk's rows of W read
+// as one sequential stream and accumulated into a partial y (N floats, L1-resident) four rows of W at a time; the
+// partials are summed at the end.
 //
 // SmallMatmul, 2-16 rows of x, W packed in panels:
 // x (..., K) row-major, W packed as (P, K, 8): panel p holds rows 8p..8p+7 of the (N, K) matrix interleaved, so that
@@ -63,6 +69,32 @@ void matvec_rows(const float* x, const float* w, float* y, int64_t K, int64_t r0
   const int64_t len = (r1 - r0) / STREAMS;
   row_streams<STREAMS>(x, w, y, K, r0, len);
   row_streams<1>(x, w, y, K, r0 + STREAMS * len, r1 - r0 - STREAMS * len);
+}
+
+// y[:N] = x[k0:k1] W[k0:k1, :] for one row of x and one (K, N) matrix W: rows of W in order, four at a time.
+void rows_axpy(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t N, int64_t k0,
+               int64_t k1) {
+  std::fill(y, y + N, 0.0f);
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) {
+    const float* r = w + k * N;
+    const __m256 a0 = _mm256_set1_ps(x[k]), a1 = _mm256_set1_ps(x[k + 1]);
+    const __m256 a2 = _mm256_set1_ps(x[k + 2]), a3 = _mm256_set1_ps(x[k + 3]);
+    int64_t n = 0;
+    for (; n + LANES <= N; n += LANES) {
+      __m256 acc = _mm256_loadu_ps(y + n);
+      acc = _mm256_fmadd_ps(a0, _mm256_loadu_ps(r + n), acc);
+      acc = _mm256_fmadd_ps(a1, _mm256_loadu_ps(r + N + n), acc);
+      acc = _mm256_fmadd_ps(a2, _mm256_loadu_ps(r + 2 * N + n), acc);
+      acc = _mm256_fmadd_ps(a3, _mm256_loadu_ps(r + 3 * N + n), acc);
+      _mm256_storeu_ps(y + n, acc);
+    }
+    for (; n < N; ++n) y[n] += x[k] * r[n] + x[k + 1] * r[N + n] + x[k + 2] * r[2 * N + n] + x[k + 3] * r[3 * N + n];
+  }
+  for (; k < k1; ++k) {
+    const float* r = w + k * N;
+    for (int64_t n = 0; n < N; ++n) y[n] += x[k] * r[n];
+  }
 }
 
 // acc[i, c] (+)= sum_k xt[k, i] w[k, c] over k in [k0, k1) for the MB rows of one group against one panel; acc holds
@@ -181,7 +213,58 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
+  auto x_dims = x.dimensions();
+  auto w_dims = w.dimensions();
+  auto y_dims = y->dimensions();
+  if (w_dims.size() != 3 || x_dims.size() != 2 || x_dims[1] != w_dims[1] || experts.element_count() != x_dims[0] ||
+      y_dims.size() != 2 || y_dims[0] != x_dims[0] || y_dims[1] != w_dims[2]) {
+    return ffi::Error::InvalidArgument("expert_matvec: expected x (R, K), w (E, K, N), experts (R,) and y (R, N)");
+  }
+  const int64_t R = x_dims[0], K = w_dims[1], N = w_dims[2], E = w_dims[0];
+  const int32_t* ids = experts.typed_data();
+  for (int64_t r = 0; r < R; ++r) {
+    if (ids[r] < 0 || ids[r] >= E) return ffi::Error::InvalidArgument("expert_matvec: an expert index is out of range");
+  }
+  float* out = y->typed_data();
+  if (R == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::fill(out, out + R * N, 0.0f);
+    return ffi::Error::Success();
+  }
+  // Work items (row, chunk of K); each writes its partial y, summed below.
+  const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>(K / 64, 2 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t chunk = (K + per_row - 1) / per_row;
+  std::vector<float> partial(R * per_row * N);
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* parts = partial.data();
+  granite::parallel_chunks(pool, R * per_row, [=](int64_t item) {
+    const int64_t r = item / per_row, c = item % per_row;
+    const int64_t k0 = c * chunk, k1 = std::min(K, k0 + chunk);
+    rows_axpy(xs + r * K, ws + ids[r] * K * N, parts + item * N, N, k0, std::max(k0, k1));
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    float* dst = out + r * N;
+    std::copy(parts + r * per_row * N, parts + (r * per_row + 1) * N, dst);
+    for (int64_t c = 1; c < per_row; ++c) {
+      const float* src = parts + (r * per_row + c) * N;
+      for (int64_t n = 0; n < N; ++n) dst[n] += src[n];
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_expert_matvec_f32, ExpertMatvec,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_matvec_f32, MatVec,
                               ffi::Ffi::Bind()
