@@ -90,8 +90,9 @@ def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
 
 def expert_linear(x: Array, w: Array, experts: Array) -> Array:
     """x (R, K) rows each through its expert's matrix: y[r] = x[r] @ w[experts[r]], w (E, K, N), experts (R,) int ->
-    (R, N). On CPUs with the kernels, in float32, each chosen expert is read in place; otherwise XLA's gather and
-    product. Expert ids outside [0, E) are an error in the kernel (XLA's gather would clamp them)."""
+    (R, N) in x's dtype. On CPUs with the kernels, in float32, each chosen expert is read in place; otherwise XLA's
+    gather (then a cast to x's dtype) and product. Expert ids outside [0, E) are an error in the kernel (XLA's gather
+    would clamp them)."""
     if uses_expert_kernel(x, w):
         return lax.platform_dependent(x, w, experts, cpu=_expert_kernel, default=_expert_xla)
     return _expert_xla(x, w, experts)
@@ -103,7 +104,7 @@ def uses_expert_kernel(x: Array, w: Array) -> bool:
 
 
 def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
-    return jnp.einsum("rk,rkn->rn", x, w[experts])
+    return jnp.einsum("rk,rkn->rn", x, w[experts].astype(x.dtype))  # only the chosen experts are cast
 
 
 @jax.custom_jvp

@@ -366,7 +366,7 @@ class MoE(nnx.Module):
         `cpu_kernels.expert_linear` on CPUs, gathered by XLA elsewhere)."""
         N, k = experts.shape
         rows, flat = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # (N k, H), (N k,)
-        w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
+        w_in, w_out = self.input_linear[...], self.output_linear[...]  # cast after the gather, if at all
         h = self._swiglu(cpu_kernels.expert_linear(rows, w_in, flat))  # (N k, I)
         y = cpu_kernels.expert_linear(h, w_out, flat).reshape(N, k, -1)  # (N, k, H)
         return jnp.einsum("nkd,nk->nd", y, gates)
