@@ -8,8 +8,11 @@ against enough different weight matrices to overflow the caches, so each product
 a decode step (one row: the matrix-vector kernel and XLA both read the checkpoint's (out, in) layout; 2-16 rows: the
 kernel reads them packed in panels, `cpu_kernels.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
 State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the update
-(the kernel's one pass; XLA reads the state a second time for y). Kernel and XLA are timed alternately in one run, best
-of --repeats, and the ratio printed.
+(the kernel's one pass; XLA reads the state a second time for y). Experts (MoE shapes only, e.g. --shape
+granite-4.0-h-tiny): the (token, expert) rows of a decode step (batch = rows, times experts per token) through one
+layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the chosen experts' weights
+(the kernel reads them in place, XLA gathers them first). Kernel and XLA are timed alternately in one run, best of
+--repeats, and the ratio printed.
 """
 
 from __future__ import annotations
@@ -36,8 +39,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)")
     p.add_argument("--chain-mib", type=int, default=192, help="weights read per timed call, MiB (beyond the caches)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best kept)")
+    p.add_argument(
+        "--parts", default="products,state,experts", help="comma-separated: products, state (update), experts (MoE)"
+    )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
+    args.parts = args.parts.split(",")
+    if not args.parts or not set(args.parts) <= {"products", "state", "experts"}:
+        p.error(f"--parts must be a comma-separated subset of products,state,experts, got {','.join(args.parts)!r}")
     try:
         args.rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -148,6 +157,43 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
     )
 
 
+def measure_experts(name: str, batch: int, chain_bytes: int, repeats: int) -> list[dict[str, Any]]:
+    """The expert products of one MoE layer at this batch size (batch x experts-per-token rows), in and out."""
+    import jax
+    import numpy as np
+
+    from granite_jax import cpu_kernels
+    from granite_jax.presets import released_config
+
+    cfg = released_config(name)
+    E, k, H, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size
+    rng = np.random.default_rng(0)
+    rows, out = batch * k, []
+    for K, N in ((H, 2 * F), (F, H)):  # input_linear (E, H, 2F), output_linear (E, F, H)
+        w = jax.device_put(rng.standard_normal((E, K, N), np.float32))
+        x = jax.device_put(rng.standard_normal((rows, K), np.float32))
+        count = max(1, -(-chain_bytes // (rows * K * N * 4)))
+        ids = [jax.device_put(rng.integers(0, E, rows).astype(np.int32)) for _ in range(count)]
+        kernel = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_kernel(x, w, e) for e in ids))
+        xla = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_xla(x, w, e) for e in ids))
+        calls = {"kernel": functools.partial(kernel, x, w, ids), "xla": functools.partial(xla, x, w, ids)}
+        best = best_times(calls, repeats)
+        read = count * rows * K * N * 4
+        out.append(
+            dict(
+                batch=batch,
+                rows=rows,
+                experts=E,
+                inp=K,
+                out=N,
+                kernel_gb_s=read / best["kernel"] / 1e9,
+                xla_gb_s=read / best["xla"] / 1e9,
+                kernel_vs_xla=best["xla"] / best["kernel"],
+            )
+        )
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from granite_jax import cpu_kernels
@@ -155,35 +201,53 @@ def main(argv=None) -> int:
     if not cpu_kernels.available():
         print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
         return 2
-    shapes = weight_shapes(args.shape)
-    work = [(s, r) for s in shapes for r in args.rows]
-    results = [
-        measure(s, r, args.chain_mib << 20, args.repeats)
-        for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
-    ]
-    print(f"{args.shape} weight shapes, float32; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's panels)")
-    print("| W (out x in) | rows | kernel GB/s | XLA GB/s | kernel / XLA |")
-    print("|---|---|---|---|---|")
-    for r in results:
+    results, updates, experts = [], [], []
+    if "products" in args.parts:
+        work = [(s, r) for s in weight_shapes(args.shape) for r in args.rows]
+        results = [
+            measure(s, r, args.chain_mib << 20, args.repeats)
+            for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
+        ]
         print(
-            f"| {r['out']} x {r['inp']} | {r['rows']} | {r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | "
-            f"{r['kernel_vs_xla']:.2f}x |"
+            f"{args.shape} weight shapes, float32; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's panels)"
         )
-    updates = [
-        measure_state_update(args.shape, r, args.repeats)
-        for r in tqdm(args.rows, desc="state update", unit="batch", file=sys.stderr)
-    ]
-    print(f"\n{args.shape} Mamba state update, one token through all {updates[0]['layers']} layers; GB/s of state")
-    print("| batch | state (b, h, p, n) | kernel GB/s | XLA GB/s | kernel / XLA |")
-    print("|---|---|---|---|---|")
-    for r in updates:
-        shape = ", ".join(map(str, r["state_shape"]))
-        rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
-        print(f"| {r['batch']} | ({shape}) | {rates} |")
+        print("| W (out x in) | rows | kernel GB/s | XLA GB/s | kernel / XLA |")
+        print("|---|---|---|---|---|")
+        for r in results:
+            print(
+                f"| {r['out']} x {r['inp']} | {r['rows']} | {r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | "
+                f"{r['kernel_vs_xla']:.2f}x |"
+            )
+    if "state" in args.parts:
+        updates = [
+            measure_state_update(args.shape, r, args.repeats)
+            for r in tqdm(args.rows, desc="state update", unit="batch", file=sys.stderr)
+        ]
+        print(f"\n{args.shape} Mamba state update, one token through all {updates[0]['layers']} layers; GB/s of state")
+        print("| batch | state (b, h, p, n) | kernel GB/s | XLA GB/s | kernel / XLA |")
+        print("|---|---|---|---|---|")
+        for r in updates:
+            shape = ", ".join(map(str, r["state_shape"]))
+            rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
+            print(f"| {r['batch']} | ({shape}) | {rates} |")
+    if "experts" in args.parts:
+        from granite_jax.presets import released_config
+
+        if released_config(args.shape).num_local_experts == 0:
+            print(f"\n{args.shape} has no routed experts (try --shape granite-4.0-h-tiny)")
+        else:
+            for r in tqdm(args.rows, desc="experts", unit="batch", file=sys.stderr):
+                experts += measure_experts(args.shape, r, args.chain_mib << 20, args.repeats)
+            print(f"\n{args.shape} expert products of one layer; GB/s of the chosen experts' weights")
+            print("| batch | rows | W (experts x in x out) | kernel GB/s | XLA GB/s | kernel / XLA |")
+            print("|---|---|---|---|---|---|")
+            for r in experts:
+                rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
+                print(f"| {r['batch']} | {r['rows']} | {r['experts']} x {r['inp']} x {r['out']} | {rates} |")
     if args.json:
         from granite_jax.experiments.common import environment
 
-        doc = dict(args=vars(args), results=results, state_update=updates, environment=environment())
+        doc = dict(args=vars(args), results=results, state_update=updates, experts=experts, environment=environment())
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")

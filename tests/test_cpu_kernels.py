@@ -337,9 +337,32 @@ def test_benchmark_script_times_every_weight_shape(tmp_path):
     assert "| 100352 x 768 | 9 |" in proc.stdout
 
 
+def test_benchmark_script_times_expert_products(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, BENCHMARK, "--shape", "granite-4.0-h-tiny", "--parts", "experts", "--rows", "1,2"]
+    cmd += ["--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["results"] == [] and doc["state_update"] == []  # only the parts asked for
+    # h-tiny: 64 experts, 6 per token, hidden 1536, expert width 512: rows = batch x 6, in (1536 -> 1024), out
+    got = [(r["batch"], r["rows"], r["experts"], r["inp"], r["out"]) for r in doc["experts"]]
+    assert got == [(b, 6 * b, 64, k, n) for b in (1, 2) for k, n in ((1536, 1024), (512, 1536))]
+    assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["experts"])
+    assert "| 2 | 12 | 64 x 512 x 1536 |" in proc.stdout
+    dense = [sys.executable, BENCHMARK, "--parts", "experts", "--rows", "1", "--repeats", "1"]
+    proc = subprocess.run(dense, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0 and "granite-4.0-h-350m has no routed experts" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_benchmark_script_refuses_bad_arguments(tmp_path):
     no_dir = str(tmp_path / "no" / "x.json")
-    bad = ((["--rows", "2,x"], "--rows"), (["--rows", "17"], "rows <= 16"), (["--json", no_dir], "--json"))
+    bad = (
+        (["--rows", "2,x"], "--rows"),
+        (["--rows", "17"], "rows <= 16"),
+        (["--json", no_dir], "--json"),
+        (["--parts", "products,gpu"], "--parts must be"),
+    )
     for args, message in bad:
         proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
