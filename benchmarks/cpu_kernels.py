@@ -98,9 +98,7 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
         inp=k,
         rows=rows,
         matrices=count,
-        kernel_gb_s=read / best["kernel"] / 1e9,
-        xla_gb_s=read / best["xla"] / 1e9,
-        kernel_vs_xla=best["xla"] / best["kernel"],
+        **rates(read, best),
     )
 
 
@@ -117,6 +115,15 @@ def best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, f
             jax.block_until_ready(call())
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def rates(nbytes: int, best: dict[str, float]) -> dict[str, float]:
+    """GB/s of kernel and XLA over `nbytes` moved in their best times, and the kernel's speed-up."""
+    return dict(
+        kernel_gb_s=nbytes / best["kernel"] / 1e9,
+        xla_gb_s=nbytes / best["xla"] / 1e9,
+        kernel_vs_xla=best["xla"] / best["kernel"],
+    )
 
 
 def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
@@ -151,9 +158,7 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
         batch=batch,
         layers=layers,
         state_shape=[batch, h, p, n],
-        kernel_gb_s=moved / best["kernel"] / 1e9,
-        xla_gb_s=moved / best["xla"] / 1e9,
-        kernel_vs_xla=best["xla"] / best["kernel"],
+        **rates(moved, best),
     )
 
 
@@ -186,9 +191,7 @@ def measure_experts(name: str, batch: int, chain_bytes: int, repeats: int) -> li
                 experts=E,
                 inp=K,
                 out=N,
-                kernel_gb_s=read / best["kernel"] / 1e9,
-                xla_gb_s=read / best["xla"] / 1e9,
-                kernel_vs_xla=best["xla"] / best["kernel"],
+                **rates(read, best),
             )
         )
     return out
