@@ -234,8 +234,8 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     return ffi::Error::Success();
   }
   // Work items (row, chunk of K); each writes its partial y, summed below.
-  const int64_t per_row = std::max<int64_t>(1, std::min<int64_t>(K / 64, 2 * std::max<int64_t>(1, pool.num_threads())));
-  const int64_t chunk = (K + per_row - 1) / per_row;
+  const int64_t chunk = granite::chunk_length(pool, K, 64, 2);
+  const int64_t per_row = (K + chunk - 1) / chunk;
   std::vector<float> partial(R * per_row * N);
   const float* xs = x.typed_data();
   const float* ws = w.typed_data();
@@ -243,7 +243,7 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   granite::parallel_chunks(pool, R * per_row, [=](int64_t item) {
     const int64_t r = item / per_row, c = item % per_row;
     const int64_t k0 = c * chunk, k1 = std::min(K, k0 + chunk);
-    rows_axpy(xs + r * K, ws + ids[r] * K * N, parts + item * N, N, k0, std::max(k0, k1));
+    rows_axpy(xs + r * K, ws + ids[r] * K * N, parts + item * N, N, k0, k1);
   });
   for (int64_t r = 0; r < R; ++r) {
     float* dst = out + r * N;

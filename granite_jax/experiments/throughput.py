@@ -15,6 +15,7 @@ bytes, `measure.floor_pairs` times.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -24,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from tqdm.auto import tqdm
 
 from granite_jax import compare, cpu_kernels
@@ -107,54 +107,36 @@ def run(config) -> Result:
 
 
 DECODE_PATTERN = ("xla_matvec_rows", "kernel_matvec")  # the probes that read W (N, K) as batch-1 decode does
+_SUM, _MATMUL = jax.jit(jnp.sum), jax.jit(jnp.matmul)
+_DOT, _KERNEL = jax.jit(cpu_kernels.dot), jax.jit(cpu_kernels.linear)  # x W^T: XLA's, and the kernels' (one row)
 
 
 def bandwidth_probes(nbytes: int = 1 << 30, names: tuple[str, ...] | None = None) -> tuple[int, dict[str, Callable]]:
-    """(bytes each probe reads, {name: probe}): reads of one float32 buffer of about `nbytes` (8192 columns): a numpy
+    """(bytes each probe reads, {name: probe}): reads of a float32 buffer of about `nbytes` (8192 columns): a numpy
     sum, a numpy (BLAS) matrix-vector product, an XLA sum, XLA matrix-vector products with the matrix (in, out) and
     (out, in), the latter being the decode step's own access pattern (`model.Linear`), and where the CPU kernels run,
-    their matrix-vector product (batch-1 decode's). Each spreads over all cores if it can. `names`: only these (their
-    buffers only are allocated)."""
+    their matrix-vector product (batch-1 decode's). Each spreads over all cores if it can. `names`: only these. A buffer
+    is allocated by the first call of a probe that reads it (call each once untimed), and shared by the probes of its
+    layout."""
     cols = 8192
     rows = max(nbytes // 4 // cols, 1)
-    vector = jnp.ones((1, cols), jnp.float32)
-
-    def numpy_sum():
-        host = np.ones((rows, cols), np.float32)
-        return lambda: host.sum()
-
-    def numpy_matvec():
-        host, host_vector = np.ones((rows, cols), np.float32), np.ones(cols, np.float32)
-        return lambda: host @ host_vector
-
-    def xla_sum():
-        flat, total = jnp.ones(rows * cols, jnp.float32), jax.jit(jnp.sum)
-        return lambda: total(flat).block_until_ready()
-
-    def xla_matvec():
-        in_out, matvec = jnp.ones((cols, rows), jnp.float32), jax.jit(jnp.matmul)
-        return lambda: matvec(vector, in_out).block_until_ready()
-
-    def xla_matvec_rows():
-        out_in = jnp.ones((rows, cols), jnp.float32)
-        matvec = jax.jit(lambda v, w: lax.dot_general(v, w, (((1,), (1,)), ((), ()))))
-        return lambda: matvec(vector, out_in).block_until_ready()
-
-    def kernel_matvec():
-        out_in, kernel = jnp.ones((rows, cols), jnp.float32), jax.jit(cpu_kernels.linear)
-        return lambda: kernel(vector, out_in).block_until_ready()
-
-    factories = dict(
-        numpy_sum=numpy_sum,
-        numpy_matvec=numpy_matvec,
-        xla_sum=xla_sum,
-        xla_matvec=xla_matvec,
-        xla_matvec_rows=xla_matvec_rows,
+    vector, host_vector = jnp.ones((1, cols), jnp.float32), np.ones(cols, np.float32)
+    # Buffers on first use (a probe's warm-up call), one per layout.
+    host = functools.cache(lambda: np.ones((rows, cols), np.float32))
+    flat = functools.cache(lambda: jnp.ones(rows * cols, jnp.float32))
+    in_out = functools.cache(lambda: jnp.ones((cols, rows), jnp.float32))
+    out_in = functools.cache(lambda: jnp.ones((rows, cols), jnp.float32))
+    probes = dict(
+        numpy_sum=lambda: host().sum(),
+        numpy_matvec=lambda: host() @ host_vector,
+        xla_sum=lambda: _SUM(flat()).block_until_ready(),
+        xla_matvec=lambda: _MATMUL(vector, in_out()).block_until_ready(),
+        xla_matvec_rows=lambda: _DOT(vector, out_in()).block_until_ready(),
     )
     if cpu_kernels.uses_matvec(vector, jax.ShapeDtypeStruct((rows, cols), jnp.float32)):
-        factories["kernel_matvec"] = kernel_matvec
-    chosen = factories if names is None else {name: f for name, f in factories.items() if name in names}
-    return rows * cols * 4, {name: make() for name, make in chosen.items()}
+        probes["kernel_matvec"] = lambda: _KERNEL(vector, out_in()).block_until_ready()
+    chosen = probes if names is None else {name: probe for name, probe in probes.items() if name in names}
+    return rows * cols * 4, chosen
 
 
 def memory_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
