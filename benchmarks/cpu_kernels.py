@@ -9,9 +9,10 @@ a decode step (one row: the matrix-vector kernel and XLA both read the checkpoin
 kernel reads them packed in panels, `cpu_kernels.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
 State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the update
 (the kernel's one pass; XLA reads the state a second time for y). Experts (MoE shapes only, e.g. --shape
-granite-4.0-h-tiny): the (token, expert) rows of a decode step (batch = rows, times experts per token) through one
-layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the chosen experts' weights
-(the kernel reads them in place, XLA gathers them first). Kernel and XLA are timed alternately in one run, best of
+granite-4.0-h-tiny): the (token, expert) rows of --expert-tokens tokens (a decode batch, or a prefill) through one
+layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the distinct chosen
+experts' weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its rows; XLA gathers them
+first, or past 64 rows runs blocks of rows padded per expert). Kernel and XLA are timed alternately in one run, best of
 --repeats, and the ratio printed.
 """
 
@@ -37,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--shape", default="granite-4.0-h-350m", help="weight shapes of this released architecture")
     p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)")
+    p.add_argument(
+        "--expert-tokens", default="1,2,4,8,128", help="comma-separated tokens through the experts (decode, prefill)"
+    )
     p.add_argument("--chain-mib", type=int, default=192, help="weights read per timed call, MiB (beyond the caches)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best kept)")
     p.add_argument(
@@ -49,10 +53,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--parts must be a comma-separated subset of products,state,experts, got {','.join(args.parts)!r}")
     try:
         args.rows = [int(r) for r in args.rows.split(",")]
+        args.expert_tokens = [int(t) for t in args.expert_tokens.split(",")]
     except ValueError:
-        p.error(f"--rows must be comma-separated integers, got {args.rows!r}")
+        p.error(f"--rows and --expert-tokens must be comma-separated integers: {args.rows!r}, {args.expert_tokens!r}")
     if not all(1 <= r <= 16 for r in args.rows) or args.chain_mib < 1 or args.repeats < 1:
         p.error("need 1 <= rows <= 16 (the kernels' range), --chain-mib >= 1 and --repeats >= 1")
+    if not all(t >= 1 for t in args.expert_tokens):
+        p.error(f"--expert-tokens must be positive, got {args.expert_tokens}")
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         p.error(f"--json {args.json}: the parent directory does not exist")
     return args
@@ -162,8 +169,8 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
     )
 
 
-def measure_experts(name: str, batch: int, chain_bytes: int, repeats: int) -> list[dict[str, Any]]:
-    """The expert products of one MoE layer at this batch size (batch x experts-per-token rows), in and out."""
+def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int) -> list[dict[str, Any]]:
+    """The expert products of one MoE layer for this many tokens (tokens x experts-per-token rows), in and out."""
     import jax
     import numpy as np
 
@@ -173,27 +180,22 @@ def measure_experts(name: str, batch: int, chain_bytes: int, repeats: int) -> li
     cfg = released_config(name)
     E, k, H, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size
     rng = np.random.default_rng(0)
-    rows, out = batch * k, []
+    rows, out = tokens * k, []
     for K, N in ((H, 2 * F), (F, H)):  # input_linear (E, H, 2F), output_linear (E, F, H)
         w = jax.device_put(rng.standard_normal((E, K, N), np.float32))
         x = jax.device_put(rng.standard_normal((rows, K), np.float32))
-        count = max(1, -(-chain_bytes // (rows * K * N * 4)))
-        ids = [jax.device_put(rng.integers(0, E, rows).astype(np.int32)) for _ in range(count)]
+        count = max(1, -(-chain_bytes // (min(rows, E) * K * N * 4)))
+        ids = [np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1) for _ in range(count)]
+        distinct = sum(len(np.unique(e)) for e in ids)
+        ids = [jax.device_put(e.astype(np.int32)) for e in ids]
         kernel = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_kernel(x, w, e) for e in ids))
         xla = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_xla(x, w, e) for e in ids))
         calls = {"kernel": functools.partial(kernel, x, w, ids), "xla": functools.partial(xla, x, w, ids)}
         best = best_times(calls, repeats)
-        read = count * rows * K * N * 4
-        out.append(
-            dict(
-                batch=batch,
-                rows=rows,
-                experts=E,
-                inp=K,
-                out=N,
-                **rates(read, best),
-            )
-        )
+        flops = 2 * count * rows * K * N
+        gflop_s = {f"{impl}_gflop_s": flops / best[impl] / 1e9 for impl in ("kernel", "xla")}
+        shape = dict(tokens=tokens, rows=rows, experts=E, inp=K, out=N)
+        out.append(dict(**shape, **rates(distinct * K * N * 4, best), **gflop_s))
     return out
 
 
@@ -239,14 +241,18 @@ def main(argv=None) -> int:
         if released_config(args.shape).num_local_experts == 0:
             print(f"\n{args.shape} has no routed experts (try --shape granite-4.0-h-tiny)")
         else:
-            for r in tqdm(args.rows, desc="experts", unit="batch", file=sys.stderr):
-                experts += measure_experts(args.shape, r, args.chain_mib << 20, args.repeats)
-            print(f"\n{args.shape} expert products of one layer; GB/s of the chosen experts' weights")
-            print("| batch | rows | W (experts x in x out) | kernel GB/s | XLA GB/s | kernel / XLA |")
-            print("|---|---|---|---|---|---|")
+            for t in tqdm(args.expert_tokens, desc="experts", unit="size", file=sys.stderr):
+                experts += measure_experts(args.shape, t, args.chain_mib << 20, args.repeats)
+            print(f"\n{args.shape} expert products of one layer; GB/s of the distinct chosen experts' weights, GFLOP/s")
+            print(
+                "| tokens | rows | W (experts x in x out) | kernel GB/s | XLA GB/s | kernel GFLOP/s | XLA GFLOP/s |"
+                " kernel / XLA |"
+            )
+            print("|---|---|---|---|---|---|---|---|")
             for r in experts:
-                rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
-                print(f"| {r['batch']} | {r['rows']} | {r['experts']} x {r['inp']} x {r['out']} | {rates} |")
+                rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_gflop_s']:.1f} | "
+                rates += f"{r['xla_gflop_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
+                print(f"| {r['tokens']} | {r['rows']} | {r['experts']} x {r['inp']} x {r['out']} | {rates} |")
     if args.json:
         from granite_jax.experiments.common import environment
 

@@ -1,5 +1,7 @@
 """granite-jax: IBM Granite 4.0 (GraniteMoeHybrid) in JAX / Flax NNX.
 
+Usage:
+
     from granite_jax import load_model, Generator, SamplingConfig
     model = load_model("path/to/hf-checkpoint")          # or an orbax checkpoint written by granite_jax.convert
     logits = model(tokens)                               # (b, T) int32 -> (b, T, vocab)

@@ -5,9 +5,10 @@
   of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md). Float32
   products of one row, on W as it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which
   streams W once.
-- `expert_linear`: y[r] = x[r] W[e[r]] for the few (token, expert) rows of a mixture-of-experts decode step, W the
-  stacked experts (E, K, N). XLA gathers the chosen experts into a copy first (slowly: the gather was most of an h-tiny
-  decode step); the kernel reads each chosen expert in place.
+- `expert_linear`: y[r] = x[r] W[e[r]] for the (token, expert) rows of a mixture-of-experts layer, W the stacked
+  experts (E, K, N). XLA gathers the chosen experts into a copy first (slowly: the gather was most of an h-tiny decode
+  step), or, for many rows, runs expert-aligned blocks of padded rows; the kernel reads each chosen expert in place,
+  once for all the rows that chose it.
 - `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
@@ -42,6 +43,7 @@ from jax import lax
 Array = jax.Array
 
 MIN_ROWS, MAX_ROWS = 2, 16  # rows for the kernel on packed weights; more (prefill) are left to XLA
+GATHER_ROWS = 64  # up to this many rows, XLA's `expert_linear` gathers the chosen experts' matrices
 LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
 TARGET = "granite_small_matmul_f32"
 MATVEC_TARGET = "granite_matvec_f32"
@@ -90,9 +92,10 @@ def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
 
 def expert_linear(x: Array, w: Array, experts: Array) -> Array:
     """x (R, K) rows each through its expert's matrix: y[r] = x[r] @ w[experts[r]], w (E, K, N), experts (R,) int ->
-    (R, N) in x's dtype. On CPUs with the kernels, in float32, each chosen expert is read in place; otherwise XLA's
-    gather (then a cast to x's dtype) and product. Expert ids outside [0, E) are an error in the kernel (XLA's gather
-    would clamp them)."""
+    (R, N) in x's dtype. On CPUs with the kernels, in float32, each chosen expert is read in place, once for all its
+    rows; otherwise XLA: a gather of the chosen experts (then a cast to x's dtype) for up to `GATHER_ROWS` rows, and
+    expert-aligned blocks (`_expert_blocks`) for more. Expert ids outside [0, E) are an error in the kernel (XLA's
+    gather would clamp them)."""
     if uses_expert_kernel(x, w):
         return lax.platform_dependent(x, w, experts, cpu=_expert_kernel, default=_expert_xla)
     return _expert_xla(x, w, experts)
@@ -104,7 +107,39 @@ def uses_expert_kernel(x: Array, w: Array) -> bool:
 
 
 def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
-    return jnp.einsum("rk,rkn->rn", x, w[experts].astype(x.dtype))  # only the chosen experts are cast
+    if x.shape[0] <= GATHER_ROWS:
+        return jnp.einsum("rk,rkn->rn", x, w[experts].astype(x.dtype))  # only the chosen experts are cast
+    return _expert_blocks(x, w, experts)
+
+
+def _expert_blocks(x: Array, w: Array, experts: Array, block: int = 32) -> Array:
+    """`expert_linear` by XLA for many rows, without the gather's (R, K, N) copy: the rows sorted by expert, each
+    expert's group padded to whole blocks of `block` rows, and every block through its one expert's matrix
+    (megablocks' layout; padding adds at most one partial block per expert)."""
+    (R, K), (E, _, N) = x.shape, w.shape
+    experts = jnp.asarray(experts)
+    order = jnp.argsort(experts, stable=True)
+    sorted_experts = experts[order]
+    sizes = jnp.bincount(experts, length=E)
+    padded_sizes = -(-sizes // block) * block
+    padded_ends = jnp.cumsum(padded_sizes)
+    rank = jnp.arange(R) - (jnp.cumsum(sizes) - sizes)[sorted_experts]  # position within the expert's group
+    slots = jnp.zeros(R, jnp.int32).at[order].set((padded_ends - padded_sizes)[sorted_experts] + rank)
+    num_blocks = -(-R // block) + min(E, R)
+    padded = jnp.zeros((num_blocks * block, K), x.dtype).at[slots].set(x, unique_indices=True)
+    block_experts = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
+    used_blocks = padded_ends[-1] // block
+
+    def compute(b, out):
+        rows = lax.dynamic_slice_in_dim(padded, b * block, block)
+        return lax.dynamic_update_slice_in_dim(out, rows @ w[block_experts[b]].astype(x.dtype), b * block, 0)
+
+    def run_block(b, out):  # trailing blocks past the last expert's group are padding: skipped, left zero
+        return lax.cond(b < used_blocks, compute, lambda b, out: out, b, out)
+
+    # A static trip count (a scan, so that it stays reverse-differentiable), with the work of unused blocks skipped.
+    out = lax.fori_loop(0, num_blocks, run_block, jnp.zeros((num_blocks * block, N), x.dtype))
+    return out[slots]
 
 
 @jax.custom_jvp
@@ -203,12 +238,12 @@ def unavailable_reason() -> str | None:
 
 
 def describe() -> str:
-    """What runs the decode products and the Mamba state update on CPUs here, for benchmark records."""
+    """What runs the decode products, the expert products and the Mamba state update on CPUs here (for records)."""
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
-    return f"cpu_kernels: {products}; decode's expert products; Mamba state update"
+    return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update"
 
 
 _LOCK = threading.Lock()

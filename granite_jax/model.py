@@ -353,17 +353,17 @@ class MoE(nnx.Module):
         logits = self.router(x).astype(jnp.float32)
         top_logits, experts = lax.top_k(logits, self.cfg.num_experts_per_tok)  # (N, k)
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
-        # Few tokens (decode): read only the chosen experts' weights. Many (prefill): group tokens by expert.
-        route = self._gathered if x.shape[0] * experts.shape[1] <= 64 else self._grouped
-        return route(x, experts, gates).reshape(shape)
+        # Many rows (prefill) off the CPU: ragged_dot on the rows grouped by expert. Otherwise one row per (token,
+        # chosen expert) through `cpu_kernels.expert_linear`: on CPUs a kernel reading each chosen expert once.
+        ragged = jax.default_backend() != "cpu" and x.shape[0] * experts.shape[1] > cpu_kernels.GATHER_ROWS
+        return (self._ragged if ragged else self._rows)(x, experts, gates).reshape(shape)
 
     def _swiglu(self, h: Array) -> Array:
         gate, up = jnp.split(h, 2, axis=-1)
         return jax.nn.silu(gate) * up
 
-    def _gathered(self, x: Array, experts: Array, gates: Array) -> Array:
-        """One row per (token, chosen expert), each through its expert's weights (read in place by
-        `cpu_kernels.expert_linear` on CPUs, gathered by XLA elsewhere)."""
+    def _rows(self, x: Array, experts: Array, gates: Array) -> Array:
+        """One row per (token, chosen expert), each through its expert's weights by `cpu_kernels.expert_linear`."""
         N, k = experts.shape
         rows, flat = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # (N k, H), (N k,)
         w_in, w_out = self.input_linear[...], self.output_linear[...]  # cast after the gather, if at all
@@ -371,52 +371,18 @@ class MoE(nnx.Module):
         y = cpu_kernels.expert_linear(h, w_out, flat).reshape(N, k, -1)  # (N, k, H)
         return jnp.einsum("nkd,nk->nd", y, gates)
 
-    def _grouped(self, x: Array, experts: Array, gates: Array) -> Array:
-        """Sort the N*k (token, expert) rows by expert; run each expert's rows through its weights; scatter back."""
+    def _ragged(self, x: Array, experts: Array, gates: Array) -> Array:
+        """Sort the N*k (token, expert) rows by expert; `lax.ragged_dot` through each expert's group; scatter back.
+        (XLA:CPU lowers ragged_dot to a dense product over every expert: CPUs take `_rows`.)"""
         N, k = experts.shape
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
-        tokens, sorted_experts = order // k, flat[order]
+        tokens = order // k
         group_sizes = jnp.bincount(flat, length=self.cfg.num_local_experts).astype(jnp.int32)
         w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
-        if jax.default_backend() == "gpu":
-            h = self._swiglu(lax.ragged_dot(x[tokens], w_in, group_sizes))
-            y = lax.ragged_dot(h, w_out, group_sizes)
-        else:  # XLA:CPU lowers ragged_dot to a dense product over every expert; use expert-aligned blocks instead
-            y = _expert_blocks(x[tokens], sorted_experts, group_sizes, w_in, w_out, self._swiglu)
-        y = y * gates.reshape(-1)[order][:, None]
-        return jnp.zeros_like(x).at[tokens].add(y)
-
-
-def _expert_blocks(
-    rows: Array, row_experts: Array, group_sizes: Array, w_in: Array, w_out: Array, act, block: int = 32
-) -> Array:
-    """Expert-sorted rows (M, H) -> (M, H) through w_out[e] @ act(w_in[e] @ row), in blocks of one expert each.
-
-    Each expert's group is padded to a multiple of `block` rows, so every block reads a single expert's weights;
-    padding adds at most one partial block per expert (megablocks' layout).
-    """
-    M, E = rows.shape[0], group_sizes.shape[0]
-    padded_sizes = -(-group_sizes // block) * block
-    padded_ends = jnp.cumsum(padded_sizes)
-    rank = jnp.arange(M) - (jnp.cumsum(group_sizes) - group_sizes)[row_experts]
-    dest = (padded_ends - padded_sizes)[row_experts] + rank
-    num_blocks = -(-M // block) + min(E, M)
-    padded = jnp.zeros((num_blocks * block, rows.shape[1]), rows.dtype).at[dest].set(rows)
-    block_experts = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right"), E - 1)
-    used_blocks = padded_ends[-1] // block
-
-    def compute(b, out):
-        x = lax.dynamic_slice_in_dim(padded, b * block, block)
-        y = act(x @ w_in[block_experts[b]]) @ w_out[block_experts[b]]
-        return lax.dynamic_update_slice_in_dim(out, y.astype(out.dtype), b * block, 0)
-
-    def run_block(b, out):  # trailing blocks past the last expert's group are padding: skipped, left zero
-        return lax.cond(b < used_blocks, compute, lambda b, out: out, b, out)
-
-    # A static trip count (a scan, so the model stays reverse-differentiable), with the work of unused blocks skipped.
-    out = lax.fori_loop(0, num_blocks, run_block, jnp.zeros_like(padded))
-    return out[dest]
+        h = self._swiglu(lax.ragged_dot(x[tokens].astype(self.dtype), w_in, group_sizes))
+        y = lax.ragged_dot(h, w_out, group_sizes) * gates.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[tokens].add(y.astype(x.dtype))
 
 
 # ---------------------------------------------------------------------------------------------- decoder

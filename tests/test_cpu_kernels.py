@@ -153,20 +153,48 @@ def expert_operands(r: int, e: int, k: int, n: int, seed: int = 0):
     return x, w, rng.integers(0, e, r).astype(np.int32)
 
 
+def expert_reference(x, w, experts):
+    """float64 y[r] = x[r] w[experts[r]] and the same product of absolute values (a rounding bound), expert by
+    expert (a gather of (R, K, N) would not fit at prefill sizes)."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    want, bound = np.zeros((len(x), w.shape[2])), np.zeros((len(x), w.shape[2]))
+    for e in np.unique(experts):
+        rows = experts == e
+        want[rows], bound[rows] = x64[rows] @ w64[e], np.abs(x64[rows]) @ np.abs(w64[e])
+    return want, bound
+
+
 # h-tiny's experts at batch 1 (6 rows, in and out), batch 8 (48 rows, repeated experts); K with a tail past the
-# four-row step and shorter than one chunk, N with a tail past the 8-float vector; one expert.
+# four-row step and shorter than one chunk, N with a tail past the 8-float vector; one expert; prefill-like runs of
+# ~40 rows per expert (N cut into column blocks, K into chunks whose partials are summed) and ~3 rows per expert
+# over many experts (K uncut: the rows' outputs written directly), odd counts leaving a row without a partner.
 @pytest.mark.parametrize(
-    "r,e,k,n", [(6, 64, 1536, 1024), (6, 64, 512, 1536), (48, 64, 512, 1536), (3, 5, 130, 9), (2, 1, 3, 7)]
+    "r,e,k,n",
+    [
+        (6, 64, 1536, 1024),
+        (6, 64, 512, 1536),
+        (48, 64, 512, 1536),
+        (3, 5, 130, 9),
+        (2, 1, 3, 7),
+        (301, 8, 520, 700),
+        (201, 64, 256, 44),
+    ],
 )
 def test_expert_rows_match_float64(r, e, k, n):
     x, w, experts = expert_operands(r, e, k, n)
     assert cpu_kernels.uses_expert_kernel(x, w)
     assert cpu_kernels.EXPERT_TARGET in lowered(cpu_kernels.expert_linear, x, w, experts)
     got = np.asarray(jax.jit(cpu_kernels.expert_linear)(x, w, experts), np.float64)
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
-    want = np.einsum("rk,rkn->rn", x64, w64[experts])
-    bound = np.einsum("rk,rkn->rn", np.abs(x64), np.abs(w64)[experts])
+    want, bound = expert_reference(x, w, experts)
     assert np.all(np.abs(got - want) <= 1e-5 * bound)
+
+
+@pytest.mark.parametrize("r", [40, 150])  # XLA gathers the chosen experts up to GATHER_ROWS rows, runs blocks past it
+def test_expert_rows_by_xla_match_float64(r):
+    x, w, experts = expert_operands(r, 6, 48, 24, seed=2)
+    got = np.asarray(jax.jit(cpu_kernels._expert_xla)(x, w, experts), np.float64)
+    want, bound = expert_reference(x, w, experts)
+    assert np.all(np.abs(got - want) <= 1e-5 * bound + 1e-6)
 
 
 def test_expert_rows_edge_cases():
@@ -185,8 +213,9 @@ def test_expert_rows_elsewhere_are_xla():
     assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x16, w16, experts)
 
 
-def test_expert_rows_gradients():
-    x, w, experts = expert_operands(5, 3, 12, 7, seed=1)
+@pytest.mark.parametrize("r", [5, 150])  # the tangents by XLA's gather, and past GATHER_ROWS by its blocks
+def test_expert_rows_gradients(r):
+    x, w, experts = expert_operands(r, 3, 12, 7, seed=1)
     loss = lambda x, w: jnp.sum(jnp.sin(cpu_kernels.expert_linear(x, w, experts)))  # noqa: E731
     gx, gw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
@@ -195,6 +224,15 @@ def test_expert_rows_gradients():
     np.add.at(want_w, experts, np.einsum("rk,rn->rkn", x64, upstream))  # rows sharing an expert add up
     np.testing.assert_allclose(np.asarray(gx), np.einsum("rn,rkn->rk", upstream, w64[experts]), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(gw), want_w, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_rows_gradients_do_not_gather_every_row():
+    # Training on many tokens differentiates the kernel's product: its tangents must not build the (R, K, N) gather.
+    x, w, experts = expert_operands(512, 16, 256, 256, seed=4)
+    loss = lambda x, w: jnp.sum(cpu_kernels.expert_linear(x, w, experts) ** 2)  # noqa: E731
+    stats = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower().compile().memory_analysis()
+    gather_bytes = x.shape[0] * w.shape[1] * w.shape[2] * 4
+    assert stats.temp_size_in_bytes < gather_bytes / 4, (stats.temp_size_in_bytes, gather_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- Mamba state update
@@ -339,17 +377,19 @@ def test_benchmark_script_times_every_weight_shape(tmp_path):
 
 def test_benchmark_script_times_expert_products(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, BENCHMARK, "--shape", "granite-4.0-h-tiny", "--parts", "experts", "--rows", "1,2"]
+    cmd = [sys.executable, BENCHMARK, "--shape", "granite-4.0-h-tiny", "--parts", "experts", "--expert-tokens", "1,12"]
     cmd += ["--chain-mib", "1", "--repeats", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["results"] == [] and doc["state_update"] == []  # only the parts asked for
-    # h-tiny: 64 experts, 6 per token, hidden 1536, expert width 512: rows = batch x 6, in (1536 -> 1024), out
-    got = [(r["batch"], r["rows"], r["experts"], r["inp"], r["out"]) for r in doc["experts"]]
-    assert got == [(b, 6 * b, 64, k, n) for b in (1, 2) for k, n in ((1536, 1024), (512, 1536))]
-    assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["experts"])
-    assert "| 2 | 12 | 64 x 512 x 1536 |" in proc.stdout
+    # h-tiny: 64 experts, 6 per token, hidden 1536, expert width 512: rows = tokens x 6, in (1536 -> 1024), out;
+    # 12 tokens are 72 rows, past the gather: XLA's blocks
+    got = [(r["tokens"], r["rows"], r["experts"], r["inp"], r["out"]) for r in doc["experts"]]
+    assert got == [(t, 6 * t, 64, k, n) for t in (1, 12) for k, n in ((1536, 1024), (512, 1536))]
+    rates = ("kernel_gb_s", "xla_gb_s", "kernel_gflop_s", "xla_gflop_s")
+    assert all(r[rate] > 0 for r in doc["experts"] for rate in rates)
+    assert "| 12 | 72 | 64 x 512 x 1536 |" in proc.stdout
     dense = [sys.executable, BENCHMARK, "--parts", "experts", "--rows", "1", "--repeats", "1"]
     proc = subprocess.run(dense, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0 and "granite-4.0-h-350m has no routed experts" in proc.stdout, proc.stderr[-3000:]
@@ -362,6 +402,7 @@ def test_benchmark_script_refuses_bad_arguments(tmp_path):
         (["--rows", "17"], "rows <= 16"),
         (["--json", no_dir], "--json"),
         (["--parts", "products,gpu"], "--parts must be"),
+        (["--expert-tokens", "0"], "--expert-tokens must be positive"),
     )
     for args, message in bad:
         proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)

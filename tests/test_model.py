@@ -274,8 +274,9 @@ def test_released_configs_build_abstractly_with_published_sizes(name, billions, 
 
 
 def test_moe_routes_agree_in_value_and_gradient():
-    # 40 tokens x top-2 = 80 rows: the grouped route (expert-aligned blocks on CPU). The gathered route reads each
-    # token's experts directly; both must give the same outputs and input gradients (the model stays trainable).
+    # 40 tokens x top-2 = 80 rows (past GATHER_ROWS). The route of GPUs and TPUs (ragged_dot on rows grouped by expert)
+    # and the row-by-row route (the expert kernel on CPUs, its tangents by XLA's blocks) must give the same outputs
+    # and input gradients (the model stays trainable).
     from flax import nnx
 
     from granite_jax.config import ModelConfig
@@ -295,6 +296,6 @@ def test_moe_routes_agree_in_value_and_gradient():
 
         return jax.value_and_grad(loss, has_aux=True)(x)
 
-    (_, grouped), grad_grouped = route(moe._grouped)
-    (_, gathered), grad_gathered = route(moe._gathered)
-    assert rel_err(grouped, gathered) <= RTOL and rel_err(grad_grouped, grad_gathered) <= RTOL
+    (_, ragged), grad_ragged = route(moe._ragged)
+    (_, rows), grad_rows = route(moe._rows)
+    assert rel_err(ragged, rows) <= RTOL and rel_err(grad_ragged, grad_rows) <= RTOL

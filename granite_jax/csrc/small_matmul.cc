@@ -6,11 +6,12 @@
 // per step, so every range is one long sequential stream (24-34 GB/s on a chain of the decode step's products on
 // this repository's 2-core test VM, 1.2-1.4x the few-rows-at-a-time order in the same run).
 //
-// ExpertMatvec, a few rows of x each through its own expert's matrix, W stacked (E, K, N) row-major as in the model
-// (`model.MoE`): y[r] = x[r] W[e[r]]. XLA gathers the chosen experts' matrices into a copy first, at a few GB/s;
-// here each row reads its expert in place, K split into chunks that the threads share, each chunk's rows of W read
-// as one sequential stream and accumulated into a partial y (N floats, L1-resident) four rows of W at a time; the
-// partials are summed at the end.
+// ExpertMatvec, rows of x each through its own expert's matrix, W stacked (E, K, N) row-major as in the model
+// (`model.MoE`): y[r] = x[r] W[e[r]]. XLA gathers the chosen experts' matrices into a copy first, at a few GB/s, or
+// (many rows) runs blocks of rows padded per expert; here the rows are sorted by expert and each chosen expert is read
+// in place, once for all its rows: K is cut into chunks that the threads share (as few as keep them all busy), each
+// chunk's rows of W read in order four at a time and every load of W fed to two rows, into partials of the rows'
+// outputs that stay in L1 (columns in blocks when the rows are many); the partials of K's chunks are summed at the end.
 //
 // SmallMatmul, 2-16 rows of x, W packed in panels:
 // x (..., K) row-major, W packed as (P, K, 8): panel p holds rows 8p..8p+7 of the (N, K) matrix interleaved, so that
@@ -39,6 +40,7 @@ constexpr int64_t MAX_ROWS = 16;          // rows of x (cpu_kernels.MAX_ROWS)
 constexpr int64_t PREFETCH_BYTES = 2048;  // measured best of 512-4096 on the test VM
 constexpr int64_t K_BLOCK = 256;          // 8 KB of a panel: L1-resident while a second group of rows reuses it
 constexpr int STREAMS = 4;                // row ranges a thread reads at once in MatVec (4 and 8 measured best)
+constexpr int64_t MIN_TILED_ROWS = 4;     // rows of one expert from which ExpertMatvec tiles them in registers
 
 // y[n] = w[n, :] . x for the rows n = r0 + s * len + i, s < S, i < len: S sequential streams through W.
 template <int S>
@@ -71,29 +73,120 @@ void matvec_rows(const float* x, const float* w, float* y, int64_t K, int64_t r0
   row_streams<1>(x, w, y, K, r0 + STREAMS * len, r1 - r0 - STREAMS * len);
 }
 
-// y[:N] = x[k0:k1] W[k0:k1, :] for one row of x and one (K, N) matrix W: rows of W in order, four at a time.
-void rows_axpy(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t N, int64_t k0,
-               int64_t k1) {
-  std::fill(y, y + N, 0.0f);
+// y_j[n0:n1] (+)= x_j[k0:k1] W[k0:k1, n0:n1] for the rows j < RB (RB = 1 or 2) of one (K, N) matrix W, rows of W in
+// order, four at a time: each load of W feeds RB rows. y_j is zeroed first when `first`.
+template <int RB>
+void rows_axpy(const float* const* __restrict x, const float* __restrict w, float* const* __restrict y, int64_t N,
+               int64_t n0, int64_t n1, int64_t k0, int64_t k1, bool first) {
+  if (first) {
+    for (int j = 0; j < RB; ++j) std::fill(y[j] + n0, y[j] + n1, 0.0f);
+  }
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
     const float* r = w + k * N;
-    const __m256 a0 = _mm256_set1_ps(x[k]), a1 = _mm256_set1_ps(x[k + 1]);
-    const __m256 a2 = _mm256_set1_ps(x[k + 2]), a3 = _mm256_set1_ps(x[k + 3]);
-    int64_t n = 0;
-    for (; n + LANES <= N; n += LANES) {
-      __m256 acc = _mm256_loadu_ps(y + n);
-      acc = _mm256_fmadd_ps(a0, _mm256_loadu_ps(r + n), acc);
-      acc = _mm256_fmadd_ps(a1, _mm256_loadu_ps(r + N + n), acc);
-      acc = _mm256_fmadd_ps(a2, _mm256_loadu_ps(r + 2 * N + n), acc);
-      acc = _mm256_fmadd_ps(a3, _mm256_loadu_ps(r + 3 * N + n), acc);
-      _mm256_storeu_ps(y + n, acc);
+    __m256 a[RB][4];
+    for (int j = 0; j < RB; ++j) {
+      for (int i = 0; i < 4; ++i) a[j][i] = _mm256_set1_ps(x[j][k + i]);
     }
-    for (; n < N; ++n) y[n] += x[k] * r[n] + x[k + 1] * r[N + n] + x[k + 2] * r[2 * N + n] + x[k + 3] * r[3 * N + n];
+    int64_t n = n0;
+    for (; n + LANES <= n1; n += LANES) {
+      const __m256 w0 = _mm256_loadu_ps(r + n), w1 = _mm256_loadu_ps(r + N + n);
+      const __m256 w2 = _mm256_loadu_ps(r + 2 * N + n), w3 = _mm256_loadu_ps(r + 3 * N + n);
+      for (int j = 0; j < RB; ++j) {
+        __m256 acc = _mm256_loadu_ps(y[j] + n);
+        acc = _mm256_fmadd_ps(a[j][0], w0, acc);
+        acc = _mm256_fmadd_ps(a[j][1], w1, acc);
+        acc = _mm256_fmadd_ps(a[j][2], w2, acc);
+        acc = _mm256_fmadd_ps(a[j][3], w3, acc);
+        _mm256_storeu_ps(y[j] + n, acc);
+      }
+    }
+    for (; n < n1; ++n) {
+      for (int j = 0; j < RB; ++j) {
+        y[j][n] += x[j][k] * r[n] + x[j][k + 1] * r[N + n] + x[j][k + 2] * r[2 * N + n] + x[j][k + 3] * r[3 * N + n];
+      }
+    }
   }
   for (; k < k1; ++k) {
     const float* r = w + k * N;
-    for (int64_t n = 0; n < N; ++n) y[n] += x[k] * r[n];
+    for (int j = 0; j < RB; ++j) {
+      for (int64_t n = n0; n < n1; ++n) y[j][n] += x[j][k] * r[n];
+    }
+  }
+}
+
+// Y_j[n0:n0+16] (+)= x_j[k0:k0+rows] S for the MR rows j and one strip S (rows, 16) of W, contiguous: accumulated in
+// registers, per k one cache line of S (two vectors) against MR broadcasts of x.
+template <int MR>
+void register_tile(const float* const* __restrict x, int64_t k0, const float* __restrict strip, int64_t rows,
+                   float* const* __restrict y, int64_t n0, bool first) {
+  __m256 acc[MR][2];
+  for (int j = 0; j < MR; ++j) {
+    acc[j][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y[j] + n0);
+    acc[j][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y[j] + n0 + LANES);
+  }
+  for (int64_t k = 0; k < rows; ++k) {
+    const __m256 w0 = _mm256_load_ps(strip + k * 2 * LANES), w1 = _mm256_load_ps(strip + k * 2 * LANES + LANES);
+    for (int j = 0; j < MR; ++j) {
+      const __m256 b = _mm256_broadcast_ss(x[j] + k0 + k);
+      acc[j][0] = _mm256_fmadd_ps(b, w0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(b, w1, acc[j][1]);
+    }
+  }
+  for (int j = 0; j < MR; ++j) {
+    _mm256_storeu_ps(y[j] + n0, acc[j][0]);
+    _mm256_storeu_ps(y[j] + n0 + LANES, acc[j][1]);
+  }
+}
+
+void register_tiles(const float* const* x, int64_t k0, const float* strip, int64_t rows, float* const* y,
+                    int64_t count, int64_t n0, bool first) {
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) register_tile<4>(x + j, k0, strip, rows, y + j, n0, first);
+  switch (count - j) {
+    case 3: register_tile<3>(x + j, k0, strip, rows, y + j, n0, first); break;
+    case 2: register_tile<2>(x + j, k0, strip, rows, y + j, n0, first); break;
+    case 1: register_tile<1>(x + j, k0, strip, rows, y + j, n0, first); break;
+    default: break;
+  }
+}
+
+// Y_j = x_j[k0:k1] W[k0:k1, :] for the `count` rows j of one expert's (K, N) matrix W. A few rows are bound by
+// reading W: its rows in order, each load fed to two rows of x, into partials that stay in L1 (columns in blocks).
+// More are bound by arithmetic: W in blocks of K_ROWS rows, each block read in order and copied into 16-column strips
+// (a GEMM's packed panel), every strip then read from cache by each tile of four rows and accumulated in registers;
+// the columns past the last whole strip go the first way.
+void expert_rows(const float* const* x, const float* w, float* const* y, int64_t count, int64_t N, int64_t k0,
+                 int64_t k1) {
+  constexpr int64_t STRIP = 2 * LANES, K_ROWS = 64, L1_FLOATS = 6144;  // 24 KB of partials
+  const int64_t strips = count >= MIN_TILED_ROWS ? N / STRIP : 0, strips_end = strips * STRIP;
+  const int64_t pitch = (K_ROWS + 1) * STRIP;  // one line more than a strip: strips do not alias in the cache
+  struct alignas(32) Vector {
+    float v[LANES];
+  };
+  thread_local std::vector<Vector> buffer;  // 32-byte aligned (C++17's aligned new)
+  if (strips > 0 && static_cast<int64_t>(buffer.size()) < strips * pitch / LANES) buffer.resize(strips * pitch / LANES);
+  float* packed = reinterpret_cast<float*>(buffer.data());
+  for (int64_t kb = k0; strips > 0 && kb < k1; kb += K_ROWS) {
+    const int64_t rows = std::min(k1, kb + K_ROWS) - kb;
+    for (int64_t k = 0; k < rows; ++k) {
+      const float* src = w + (kb + k) * N;
+      for (int64_t s = 0; s < strips; ++s) {
+        float* dst = packed + s * pitch + k * STRIP;
+        _mm256_store_ps(dst, _mm256_loadu_ps(src + s * STRIP));
+        _mm256_store_ps(dst + LANES, _mm256_loadu_ps(src + s * STRIP + LANES));
+      }
+    }
+    for (int64_t s = 0; s < strips; ++s) {
+      register_tiles(x, kb, packed + s * pitch, rows, y, count, s * STRIP, kb == k0);
+    }
+  }
+  const int64_t width = std::max<int64_t>(8 * LANES, L1_FLOATS / count / LANES * LANES);
+  for (int64_t n0 = strips_end; n0 < N; n0 += width) {
+    const int64_t n1 = std::min(N, n0 + width);
+    int64_t j = 0;
+    for (; j + 2 <= count; j += 2) rows_axpy<2>(x + j, w, y + j, N, n0, n1, k0, k1, true);
+    if (j < count) rows_axpy<1>(x + j, w, y + j, N, n0, n1, k0, k1, true);
   }
 }
 
@@ -233,23 +326,49 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     std::fill(out, out + R * N, 0.0f);
     return ffi::Error::Success();
   }
-  // Work items (row, chunk of K); each writes its partial y, summed below.
-  const int64_t chunk = granite::chunk_length(pool, K, 64, 2);
-  const int64_t per_row = (K + chunk - 1) / chunk;
-  std::vector<float> partial(R * per_row * N);
-  const float* xs = x.typed_data();
+  // Rows sorted by expert (a counting sort): each chosen expert is one run of rows and is read once per chunk of K.
+  std::vector<int64_t> start(E + 1, 0), order(R);
+  for (int64_t r = 0; r < R; ++r) ++start[ids[r] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t r = 0; r < R; ++r) order[fill[ids[r]]++] = r;
+  std::vector<int64_t> runs;  // experts with rows
+  for (int64_t e = 0; e < E; ++e) {
+    if (start[e + 1] > start[e]) runs.push_back(e);
+  }
+  // Work items (run, chunk of K). K is cut only as far as needed for every thread to get several items (so that the
+  // caller can take over the share of a helper that starts late): each chunk past the first adds a partial Y of its
+  // run's rows, summed below. Partials sit at the rows' sorted positions; an uncut K writes y directly.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()), num_runs = static_cast<int64_t>(runs.size());
+  const int64_t per_run =
+      std::clamp<int64_t>((12 * threads + num_runs - 1) / num_runs, 1, std::max<int64_t>(1, K / 64));
+  const int64_t chunk = (K + per_run - 1) / per_run;
+  std::vector<float> partial(per_run > 1 ? per_run * R * N : 0);
+  std::vector<const float*> xrows(R);
+  std::vector<float*> yrows(per_run * R);
+  for (int64_t i = 0; i < R; ++i) {
+    xrows[i] = x.typed_data() + order[i] * K;
+    for (int64_t c = 0; c < per_run; ++c) {
+      yrows[c * R + i] = per_run > 1 ? partial.data() + (c * R + i) * N : out + order[i] * N;
+    }
+  }
   const float* ws = w.typed_data();
-  float* parts = partial.data();
-  granite::parallel_chunks(pool, R * per_row, [=](int64_t item) {
-    const int64_t r = item / per_row, c = item % per_row;
-    const int64_t k0 = c * chunk, k1 = std::min(K, k0 + chunk);
-    rows_axpy(xs + r * K, ws + ids[r] * K * N, parts + item * N, N, k0, k1);
+  const int64_t* starts = start.data();
+  const int64_t* run_experts = runs.data();
+  const float* const* xs = xrows.data();
+  float* const* ys = yrows.data();
+  granite::parallel_chunks(pool, num_runs * per_run, [=](int64_t item) {
+    const int64_t e = run_experts[item / per_run], c = item % per_run;
+    const int64_t first = starts[e], count = starts[e + 1] - first;
+    const int64_t k0 = std::min(K, c * chunk), k1 = std::min(K, (c + 1) * chunk);
+    expert_rows(xs + first, ws + e * K * N, ys + c * R + first, count, N, k0, k1);
   });
-  for (int64_t r = 0; r < R; ++r) {
-    float* dst = out + r * N;
-    std::copy(parts + r * per_row * N, parts + (r * per_row + 1) * N, dst);
-    for (int64_t c = 1; c < per_row; ++c) {
-      const float* src = parts + (r * per_row + c) * N;
+  if (per_run == 1) return ffi::Error::Success();
+  for (int64_t i = 0; i < R; ++i) {
+    float* dst = out + order[i] * N;
+    std::copy(ys[i], ys[i] + N, dst);
+    for (int64_t c = 1; c < per_run; ++c) {
+      const float* src = ys[c * R + i];
       for (int64_t n = 0; n < N; ++n) dst[n] += src[n];
     }
   }
