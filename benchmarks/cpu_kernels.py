@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_kernels.py                             # h-350m's shapes, 1-16 rows
     python benchmarks/cpu_kernels.py --rows 8 --json out.json
+    python benchmarks/cpu_kernels.py --dtype bfloat16 --parts products  # bfloat16 weights (float32 arithmetic)
 
 Products: for every distinct (out, in) weight shape of the model (and the tied head), a jitted chain of products
 against enough different weight matrices to overflow the caches, so each product reads its weights from memory as in
@@ -12,7 +13,8 @@ State update: one token through every Mamba layer's state (batch = rows), GB/s o
 granite-4.0-h-tiny): the (token, expert) rows of --expert-tokens tokens (a decode batch, or a prefill) through one
 layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the distinct chosen
 experts' weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its rows; XLA gathers them
-first, or past 64 rows runs blocks of rows padded per expert). Kernel and XLA are timed alternately in one run, best of
+first, or past 64 rows runs blocks of rows padded per expert). --dtype sets the weights' and activations' dtype of the
+products and experts (the state is always float32). Kernel and XLA are timed alternately in one run, best of
 --repeats, and the ratio printed.
 """
 
@@ -41,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--expert-tokens", default="1,2,4,8,128", help="comma-separated tokens through the experts (decode, prefill)"
     )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
     p.add_argument("--chain-mib", type=int, default=192, help="weights read per timed call, MiB (beyond the caches)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best kept)")
     p.add_argument(
@@ -79,17 +82,19 @@ def weight_shapes(name: str) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
-def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -> dict[str, Any]:
+def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int, dtype: str) -> dict[str, Any]:
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from granite_jax import cpu_kernels
 
     n, k = shape
-    count = max(1, -(-chain_bytes // (n * k * 4)))
+    size = jnp.dtype(dtype).itemsize
+    count = max(1, -(-chain_bytes // (n * k * size)))
     rng = np.random.default_rng(0)
-    weights = [jax.device_put(rng.standard_normal((n, k), np.float32)) for _ in range(count)]
-    x = jax.device_put(rng.standard_normal((rows, k), np.float32))
+    weights = [jnp.asarray(rng.standard_normal((n, k)), dtype) for _ in range(count)]
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
     if rows == 1:  # the matrix-vector kernel, on the weights as they are
         kernel = jax.jit(lambda x, ws: sum(cpu_kernels._matvec(x, w) for w in ws))
         operands = weights
@@ -99,7 +104,7 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int) -
     xla = jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws))
     calls = {"kernel": functools.partial(kernel, x, operands), "xla": functools.partial(xla, x, weights)}
     best = best_times(calls, repeats)
-    read = count * n * k * 4
+    read = count * n * k * size
     return dict(
         out=n,
         inp=k,
@@ -169,9 +174,10 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
     )
 
 
-def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int) -> list[dict[str, Any]]:
+def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
     """The expert products of one MoE layer for this many tokens (tokens x experts-per-token rows), in and out."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from granite_jax import cpu_kernels
@@ -180,11 +186,11 @@ def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int) -> l
     cfg = released_config(name)
     E, k, H, F = cfg.num_local_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size
     rng = np.random.default_rng(0)
-    rows, out = tokens * k, []
+    rows, out, size = tokens * k, [], jnp.dtype(dtype).itemsize
     for K, N in ((H, 2 * F), (F, H)):  # input_linear (E, H, 2F), output_linear (E, F, H)
-        w = jax.device_put(rng.standard_normal((E, K, N), np.float32))
-        x = jax.device_put(rng.standard_normal((rows, K), np.float32))
-        count = max(1, -(-chain_bytes // (min(rows, E) * K * N * 4)))
+        w = jnp.asarray(rng.standard_normal((E, K, N)), dtype)
+        x = jnp.asarray(rng.standard_normal((rows, K)), dtype)
+        count = max(1, -(-chain_bytes // (min(rows, E) * K * N * size)))
         ids = [np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1) for _ in range(count)]
         distinct = sum(len(np.unique(e)) for e in ids)
         ids = [jax.device_put(e.astype(np.int32)) for e in ids]
@@ -195,7 +201,7 @@ def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int) -> l
         flops = 2 * count * rows * K * N
         gflop_s = {f"{impl}_gflop_s": flops / best[impl] / 1e9 for impl in ("kernel", "xla")}
         shape = dict(tokens=tokens, rows=rows, experts=E, inp=K, out=N)
-        out.append(dict(**shape, **rates(distinct * K * N * 4, best), **gflop_s))
+        out.append(dict(**shape, **rates(distinct * K * N * size, best), **gflop_s))
     return out
 
 
@@ -210,11 +216,12 @@ def main(argv=None) -> int:
     if "products" in args.parts:
         work = [(s, r) for s in weight_shapes(args.shape) for r in args.rows]
         results = [
-            measure(s, r, args.chain_mib << 20, args.repeats)
+            measure(s, r, args.chain_mib << 20, args.repeats, args.dtype)
             for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
         ]
         print(
-            f"{args.shape} weight shapes, float32; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's panels)"
+            f"{args.shape} weight shapes, {args.dtype}; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's "
+            "panels)"
         )
         print("| W (out x in) | rows | kernel GB/s | XLA GB/s | kernel / XLA |")
         print("|---|---|---|---|---|")
@@ -242,8 +249,11 @@ def main(argv=None) -> int:
             print(f"\n{args.shape} has no routed experts (try --shape granite-4.0-h-tiny)")
         else:
             for t in tqdm(args.expert_tokens, desc="experts", unit="size", file=sys.stderr):
-                experts += measure_experts(args.shape, t, args.chain_mib << 20, args.repeats)
-            print(f"\n{args.shape} expert products of one layer; GB/s of the distinct chosen experts' weights, GFLOP/s")
+                experts += measure_experts(args.shape, t, args.chain_mib << 20, args.repeats, args.dtype)
+            print(
+                f"\n{args.shape} expert products of one layer, {args.dtype}; GB/s of the distinct chosen experts' "
+                "weights, GFLOP/s"
+            )
             print(
                 "| tokens | rows | W (experts x in x out) | kernel GB/s | XLA GB/s | kernel GFLOP/s | XLA GFLOP/s |"
                 " kernel / XLA |"

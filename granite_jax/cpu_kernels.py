@@ -2,9 +2,10 @@
 
 - `linear`: y = x W^T for the few rows of a decode step. Decoding multiplies 1-16 rows of activations by every weight
   matrix, once per token: the step is bound by reading the weights. XLA:CPU runs 2-16 rows as library GEMMs at a third
-  of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md). Float32
-  products of one row, on W as it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which
-  streams W once.
+  of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md); in
+  bfloat16 it converts every weight and reaches a few percent of it. Float32 and bfloat16 products of one row, on W as
+  it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which streams W once (bfloat16
+  weights widened to float32 in registers, float32 arithmetic).
 - `expert_linear`: y[r] = x[r] W[e[r]] for the (token, expert) rows of a mixture-of-experts layer, W the stacked
   experts (E, K, N). XLA gathers the chosen experts into a copy first (slowly: the gather was most of an h-tiny decode
   step), or, for many rows, runs expert-aligned blocks of padded rows; the kernel reads each chosen expert in place,
@@ -45,9 +46,10 @@ Array = jax.Array
 MIN_ROWS, MAX_ROWS = 2, 16  # rows for the kernel on packed weights; more (prefill) are left to XLA
 GATHER_ROWS = 64  # up to this many rows, XLA's `expert_linear` gathers the chosen experts' matrices
 LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
-TARGET = "granite_small_matmul_f32"
-MATVEC_TARGET = "granite_matvec_f32"
-EXPERT_TARGET = "granite_expert_matvec_f32"
+TARGET = "granite_small_matmul"
+MATVEC_TARGET = "granite_matvec"
+EXPERT_TARGET = "granite_expert_matvec"
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
@@ -79,8 +81,9 @@ def unpack(packed: Array, n: int) -> Array:
 
 
 def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
-    """x (..., K) @ w (N, K)^T -> (..., N). On CPUs with the kernels, in float32: one row by the matrix-vector kernel
-    on w; MIN_ROWS..MAX_ROWS rows, given w's panels (`pack(w)`), by the panel kernel; otherwise XLA."""
+    """x (..., K) @ w (N, K)^T -> (..., N). On CPUs with the kernels, in float32 or bfloat16 (x and w alike; float32
+    arithmetic, rounded to x's dtype at the end): one row by the matrix-vector kernel on w; MIN_ROWS..MAX_ROWS rows,
+    given w's panels (`pack(w)`), by the panel kernel; otherwise XLA."""
     # The kernels are chosen when lowering: on every platform but the CPU, XLA's product with w.
     if uses_matvec(x, w):
         return lax.platform_dependent(x, w, cpu=_matvec, default=dot)
@@ -92,10 +95,10 @@ def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
 
 def expert_linear(x: Array, w: Array, experts: Array) -> Array:
     """x (R, K) rows each through its expert's matrix: y[r] = x[r] @ w[experts[r]], w (E, K, N), experts (R,) int ->
-    (R, N) in x's dtype. On CPUs with the kernels, in float32, each chosen expert is read in place, once for all its
-    rows; otherwise XLA: a gather of the chosen experts (then a cast to x's dtype) for up to `GATHER_ROWS` rows, and
-    expert-aligned blocks (`_expert_blocks`) for more. Expert ids outside [0, E) are an error in the kernel (XLA's
-    gather would clamp them)."""
+    (R, N) in x's dtype. On CPUs with the kernels, in float32 or bfloat16 (x and w alike; float32 arithmetic), each
+    chosen expert is read in place, once for all its rows; otherwise XLA: a gather of the chosen experts (then a cast
+    to x's dtype) for up to `GATHER_ROWS` rows, and expert-aligned blocks (`_expert_blocks`) for more. Expert ids
+    outside [0, E) are an error in the kernel (XLA's gather would clamp them)."""
     if uses_expert_kernel(x, w):
         return lax.platform_dependent(x, w, experts, cpu=_expert_kernel, default=_expert_xla)
     return _expert_xla(x, w, experts)
@@ -103,7 +106,7 @@ def expert_linear(x: Array, w: Array, experts: Array) -> Array:
 
 def uses_expert_kernel(x: Array, w: Array) -> bool:
     """Whether `expert_linear(x, w, experts)` runs the kernel when lowered for a CPU."""
-    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype == jnp.float32 and available()
+    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype in WEIGHT_DTYPES and available()
 
 
 def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
@@ -145,7 +148,8 @@ def _expert_blocks(x: Array, w: Array, experts: Array, block: int = 32) -> Array
 @jax.custom_jvp
 def _expert_kernel(x: Array, w: Array, experts: Array) -> Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32)
-    return jax.ffi.ffi_call(EXPERT_TARGET, out, vmap_method="sequential")(x, w, experts.astype(jnp.int32))
+    call = jax.ffi.ffi_call(EXPERT_TARGET, out, vmap_method="sequential")
+    return call(x.astype(jnp.float32), w, experts.astype(jnp.int32)).astype(x.dtype)
 
 
 @_expert_kernel.defjvp
@@ -156,14 +160,14 @@ def _expert_kernel_jvp(primals, tangents):  # bilinear in (x, w): XLA's version,
 
 def uses_matvec(x: Array, w: Array) -> bool:
     """Whether `linear(x, w)` runs the matrix-vector kernel when lowered for a CPU."""
-    return math.prod(x.shape[:-1]) == 1 and x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and available()
+    return math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and x.dtype == w.dtype in WEIGHT_DTYPES and available()
 
 
 def uses_kernel(x: Array, packed: Array) -> bool:
     """Whether `linear(x, w, packed)` runs the kernel when lowered for a CPU."""
     rows = math.prod(x.shape[:-1])
     return (
-        x.dtype == packed.dtype == jnp.float32
+        x.dtype == packed.dtype in WEIGHT_DTYPES
         and MIN_ROWS <= rows <= MAX_ROWS
         and packed.ndim == 3
         and packed.shape[2] == LANES
@@ -174,13 +178,13 @@ def uses_kernel(x: Array, packed: Array) -> bool:
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _kernel(x: Array, packed: Array, n: int) -> Array:
     out = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x, packed)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(x.astype(jnp.float32), packed).astype(x.dtype)
 
 
 @jax.custom_jvp
 def _matvec(x: Array, w: Array) -> Array:
     out = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(MATVEC_TARGET, out, vmap_method="sequential")(x, w)
+    return jax.ffi.ffi_call(MATVEC_TARGET, out, vmap_method="sequential")(x.astype(jnp.float32), w).astype(x.dtype)
 
 
 @_matvec.defjvp
@@ -242,7 +246,7 @@ def describe() -> str:
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
-    products = f"float32 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
+    products = f"float32/bfloat16 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
     return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update"
 
 

@@ -156,7 +156,7 @@ class BatchLayout:
 
 
 def _should_pack(model: Granite, pack_weights: bool | None) -> bool:
-    if pack_weights is False or not cpu_kernels.available() or jnp.dtype(model.dtype) != jnp.float32:
+    if pack_weights is False or not cpu_kernels.available() or jnp.dtype(model.dtype) not in cpu_kernels.WEIGHT_DTYPES:
         return False
     if pack_weights:
         return True
@@ -319,11 +319,12 @@ class Generator:
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
-    pack_weights: before the first decode step of 2-16 sequences, give the model's float32 projections a copy in the
-    layout that such steps stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products, twice the memory for
-    those weights; batch 1 and prefill never use it). None: when the CPU kernels are available and the copy fits in
-    half the available memory; False: never; True: whenever the kernels are available. `packed_bytes` says what was
-    added. The weights are taken once: a Generator over a model whose weights change afterwards keeps the old ones.
+    pack_weights: before the first decode step of 2-16 sequences, give the model's float32 or bfloat16 projections a
+    copy in the layout that such steps stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products in float32,
+    twice the memory for those weights; batch 1 and prefill never use it). None: when the CPU kernels are available and
+    the copy fits in half the available memory; False: never; True: whenever the kernels are available. `packed_bytes`
+    says what was added. The weights are taken once: a Generator over a model whose weights change afterwards keeps
+    the old ones.
     """
 
     def __init__(
@@ -755,9 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="pack_weights",
         action="store_false",
         default=None,
-        help="do not copy the float32 weights into the layout that CPU decode steps of 2-16 prompts stream (saves "
-        "memory equal to the weights; those steps then run 1.5-2.9x slower products). Default: copy, before the first "
-        "such step, when the CPU kernels are available and the copy fits in half the free memory",
+        help="do not copy the float32 or bfloat16 weights into the layout that CPU decode steps of 2-16 prompts stream "
+        "(saves memory equal to the weights; those steps then run slower products: 1.5-2.9x in float32). Default: "
+        "copy, before the first such step, when the CPU kernels are available and it fits in half the free memory",
     )
     r.add_argument(
         "--max-cache-len",

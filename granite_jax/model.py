@@ -110,8 +110,8 @@ class Linear(nnx.Module):
 
     The layout is for decoding: XLA:CPU's matrix-vector product contracting W's contiguous last axis runs ~1.35x
     faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes. After
-    `pack()`, float32 products of 2-16 rows on a CPU stream a panel-layout copy of W through `cpu_kernels`'s kernel
-    (docs/generation.md).
+    `pack()`, float32 and bfloat16 products of 2-16 rows on a CPU stream a panel-layout copy of W through
+    `cpu_kernels`'s kernel (docs/generation.md).
     """
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
@@ -506,12 +506,13 @@ def count_params(model: Granite) -> int:
 
 
 def pack_for_decoding(model: Granite) -> int:
-    """Give every `Linear` of a float32 model, and a tied output embedding, a copy of its weight in the layout that
-    decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: not float32, nothing packed).
+    """Give every `Linear` of a float32 or bfloat16 model, and a tied output embedding, a copy of its weight in the
+    layout that decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: another dtype, nothing
+    packed).
 
     The copies double the memory those weights take and are not updated with them: pack again after changing them.
     """
-    if jnp.dtype(model.dtype) != jnp.float32:
+    if jnp.dtype(model.dtype) not in cpu_kernels.WEIGHT_DTYPES:
         return 0
     for linear in _linears(model):
         linear.pack()
@@ -521,11 +522,11 @@ def pack_for_decoding(model: Granite) -> int:
 
 
 def packing_bytes(model: Granite) -> int:
-    """About what `pack_for_decoding` would add (float32, before padding to whole panels)."""
+    """About what `pack_for_decoding` would add (before padding to whole panels)."""
     weights = [linear.weight for linear in _linears(model)]
     if model.lm_head is None:
         weights.append(model.embed_tokens.embedding)
-    return sum(4 * math.prod(w.shape) for w in weights)
+    return sum(jnp.dtype(model.dtype).itemsize * math.prod(w.shape) for w in weights)
 
 
 def _linears(model: Granite) -> list[Linear]:

@@ -18,9 +18,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def operands(rows: tuple[int, ...], k: int, n: int, seed: int = 0):
+def operands(rows: tuple[int, ...], k: int, n: int, seed: int = 0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((*rows, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
+    x, w = rng.standard_normal((*rows, k)), rng.standard_normal((n, k))
+    return jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+
+
+def assert_close_to_float64(got, want, bound, k: int, dtype) -> None:
+    """A float32 dot product of length k errs by at most ~k eps |x| |w| (`bound`); bfloat16 results are then rounded
+    to 8 significant bits (half an ulp: 2^-9 relative)."""
+    assert got.shape == want.shape and got.dtype == dtype
+    rounding = 2.0**-8 * np.abs(want) if dtype == jnp.bfloat16 else 0.0
+    assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-6 * k * bound + rounding + 1e-30)
+
+
+def float64_product(x, w):
+    """x @ w.T in float64 from the inputs' exact values, and the same product of absolute values."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ w64.T, np.abs(x64) @ np.abs(w64).T
 
 
 def lowered(fn, *args, platform: str = "cpu") -> str:
@@ -65,16 +80,14 @@ def test_pack_is_panels_of_eight_rows(n, k):
         ((8,), 96, 1000),
     ],
 )
-def test_matches_float64(rows, k, n):
-    x, w = operands(rows, k, n)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_float64(rows, k, n, dtype):
+    x, w = operands(rows, k, n, dtype=dtype)
     packed = cpu_kernels.pack(w)
     assert cpu_kernels.uses_kernel(x, packed)
     assert cpu_kernels.TARGET in lowered(cpu_kernels.linear, x, w, packed)
-    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w, packed))
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T  # error bound of a float32 dot product
-    assert got.shape == want.shape and got.dtype == np.float32
-    assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30)
+    got = jax.jit(cpu_kernels.linear)(x, w, packed)
+    assert_close_to_float64(got, *float64_product(x, w), k, dtype)
 
 
 # One row, on w as it is: K with and without whole vectors of 8, N from one row to several thread chunks with rows
@@ -83,15 +96,13 @@ def test_matches_float64(rows, k, n):
     "rows,k,n",
     [((1,), 1, 1), ((1,), 7, 3), ((1, 1), 8, 33), ((1,), 15, 129), ((1,), 768, 1001), ((1,), 64, 100352)],
 )
-def test_one_row_matches_float64(rows, k, n):
-    x, w = operands(rows, k, n)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_row_matches_float64(rows, k, n, dtype):
+    x, w = operands(rows, k, n, dtype=dtype)
     assert cpu_kernels.uses_matvec(x, w)
     assert cpu_kernels.MATVEC_TARGET in lowered(cpu_kernels.linear, x, w)
-    got = np.asarray(jax.jit(cpu_kernels.linear)(x, w))
-    want = x.astype(np.float64) @ w.astype(np.float64).T
-    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
-    assert got.shape == want.shape and got.dtype == np.float32
-    assert np.all(np.abs(got - want) <= 1e-6 * k * scale + 1e-30)
+    got = jax.jit(cpu_kernels.linear)(x, w)
+    assert_close_to_float64(got, *float64_product(x, w), k, dtype)
 
 
 @pytest.mark.parametrize("linear", [packed_linear, cpu_kernels.linear], ids=["packed", "one row"])
@@ -103,10 +114,10 @@ def test_empty_contraction_gives_zeros(linear):
 
 @pytest.mark.parametrize(
     "rows,dtype",
-    [((17,), jnp.float32), ((4, 8), jnp.float32), ((8,), jnp.bfloat16), ((1,), jnp.bfloat16), ((8,), jnp.float16)],
+    [((17,), jnp.float32), ((4, 8), jnp.float32), ((17,), jnp.bfloat16), ((8,), jnp.float16), ((1,), jnp.float16)],
 )
 def test_other_products_stay_with_xla(rows, dtype):
-    # More than MAX_ROWS rows (prefill, training), other dtypes.
+    # More than MAX_ROWS rows (prefill, training), float16.
     x, w = (jnp.asarray(a, dtype) for a in operands(rows, 32, 24))
     assert not cpu_kernels.uses_kernel(x, cpu_kernels.pack(w)) and not cpu_kernels.uses_matvec(x, w)
     text = lowered(packed_linear, x, w)
@@ -134,11 +145,11 @@ def test_other_platforms_get_xla_products(rows):
 def test_gradients_and_vmap(rows, linear):
     x, w = operands(rows, 40, 21)
     grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(linear(x, w))), argnums=(0, 1)))(x, w)
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     upstream = np.cos(x64 @ w64.T)  # d sum(sin(y)) / dy, y = x w^T
     for got, want in zip(grads, (upstream @ w64, upstream.T @ x64)):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
-    xs = np.stack([x, 2 * x, -x])
+    xs = np.stack([np.asarray(x), 2 * np.asarray(x), -np.asarray(x)])
     batched = jax.jit(jax.vmap(linear, in_axes=(0, None)))(xs, w)
     np.testing.assert_allclose(np.asarray(batched), np.einsum("bmk,nk->bmn", xs, w), rtol=1e-5, atol=1e-5)
 
@@ -146,17 +157,17 @@ def test_gradients_and_vmap(rows, linear):
 # ---------------------------------------------------------------------------------------------- expert products
 
 
-def expert_operands(r: int, e: int, k: int, n: int, seed: int = 0):
+def expert_operands(r: int, e: int, k: int, n: int, seed: int = 0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((r, k)).astype(np.float32)
-    w = rng.standard_normal((e, k, n)).astype(np.float32)
+    x = np.asarray(jnp.asarray(rng.standard_normal((r, k)), dtype))
+    w = np.asarray(jnp.asarray(rng.standard_normal((e, k, n)), dtype))
     return x, w, rng.integers(0, e, r).astype(np.int32)
 
 
 def expert_reference(x, w, experts):
     """float64 y[r] = x[r] w[experts[r]] and the same product of absolute values (a rounding bound), expert by
     expert (a gather of (R, K, N) would not fit at prefill sizes)."""
-    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     want, bound = np.zeros((len(x), w.shape[2])), np.zeros((len(x), w.shape[2]))
     for e in np.unique(experts):
         rows = experts == e
@@ -180,13 +191,13 @@ def expert_reference(x, w, experts):
         (201, 64, 256, 44),
     ],
 )
-def test_expert_rows_match_float64(r, e, k, n):
-    x, w, experts = expert_operands(r, e, k, n)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expert_rows_match_float64(r, e, k, n, dtype):
+    x, w, experts = expert_operands(r, e, k, n, dtype=dtype)
     assert cpu_kernels.uses_expert_kernel(x, w)
     assert cpu_kernels.EXPERT_TARGET in lowered(cpu_kernels.expert_linear, x, w, experts)
-    got = np.asarray(jax.jit(cpu_kernels.expert_linear)(x, w, experts), np.float64)
-    want, bound = expert_reference(x, w, experts)
-    assert np.all(np.abs(got - want) <= 1e-5 * bound)
+    got = jax.jit(cpu_kernels.expert_linear)(x, w, experts)
+    assert_close_to_float64(got, *expert_reference(x, w, experts), 10, dtype)
 
 
 @pytest.mark.parametrize("r", [40, 150])  # XLA gathers the chosen experts up to GATHER_ROWS rows, runs blocks past it
@@ -208,9 +219,10 @@ def test_expert_rows_edge_cases():
 def test_expert_rows_elsewhere_are_xla():
     x, w, experts = expert_operands(4, 3, 16, 8)
     assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x, w, experts, platform="cuda")
-    x16, w16 = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    assert not cpu_kernels.uses_expert_kernel(x16, w16)
-    assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x16, w16, experts)
+    for x_dtype, w_dtype in ((jnp.float16, jnp.float16), (jnp.float32, jnp.bfloat16)):  # float16; mixed dtypes
+        xo, wo = jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype)
+        assert not cpu_kernels.uses_expert_kernel(xo, wo)
+        assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, xo, wo, experts)
 
 
 @pytest.mark.parametrize("r", [5, 150])  # the tangents by XLA's gather, and past GATHER_ROWS by its blocks
@@ -378,7 +390,7 @@ def test_benchmark_script_times_every_weight_shape(tmp_path):
 def test_benchmark_script_times_expert_products(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, BENCHMARK, "--shape", "granite-4.0-h-tiny", "--parts", "experts", "--expert-tokens", "1,12"]
-    cmd += ["--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    cmd += ["--dtype", "bfloat16", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -389,7 +401,7 @@ def test_benchmark_script_times_expert_products(tmp_path):
     assert got == [(t, 6 * t, 64, k, n) for t in (1, 12) for k, n in ((1536, 1024), (512, 1536))]
     rates = ("kernel_gb_s", "xla_gb_s", "kernel_gflop_s", "xla_gflop_s")
     assert all(r[rate] > 0 for r in doc["experts"] for rate in rates)
-    assert "| 12 | 72 | 64 x 512 x 1536 |" in proc.stdout
+    assert "| 12 | 72 | 64 x 512 x 1536 |" in proc.stdout and "one layer, bfloat16" in proc.stdout
     dense = [sys.executable, BENCHMARK, "--parts", "experts", "--rows", "1", "--repeats", "1"]
     proc = subprocess.run(dense, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0 and "granite-4.0-h-350m has no routed experts" in proc.stdout, proc.stderr[-3000:]
@@ -403,6 +415,7 @@ def test_benchmark_script_refuses_bad_arguments(tmp_path):
         (["--json", no_dir], "--json"),
         (["--parts", "products,gpu"], "--parts must be"),
         (["--expert-tokens", "0"], "--expert-tokens must be positive"),
+        (["--dtype", "float16"], "--dtype"),
     )
     for args, message in bad:
         proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)

@@ -211,8 +211,11 @@ def test_packed_weights_decode_like_the_parameters(hf_checkpoint, variant, tmp_p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_only_float32_models_are_packed(tiny_checkpoint):
-    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.bfloat16)) == 0
+def test_only_float32_and_bfloat16_models_are_packed(tiny_checkpoint):
+    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.float16)) == 0
+    model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
+    packed = pack_for_decoding(model)
+    assert packed > 0 and all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model, Packed)))
 
 
 def _attention_float64(q, k, v, query_slots, pad, scale):
@@ -254,6 +257,29 @@ def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):
     logits, cache = prefill(model, ids, Cache.init(model.cfg, 2, 48, jnp.bfloat16))
     assert logits.dtype == jnp.bfloat16 and cache.layers[0].ssm.dtype == jnp.float32
     assert rel_err(np.asarray(logits, np.float32), f32) < 3e-2
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_bfloat16_decode_runs_the_kernels_and_stays_close(tiny_checkpoint, batch):
+    # bfloat16 decode steps on CPUs: one row through the matrix-vector kernel, three through packed panels, and the
+    # expert rows through the expert kernel (float32 arithmetic on bfloat16 weights). Teacher-forced token by token,
+    # the logits stay those of the float32 model up to bfloat16 rounding.
+    ids = jnp.asarray(np.random.default_rng(9).integers(3, 300, (batch, 10)))
+    f32 = np.asarray(_logits(load_model(tiny_checkpoint), ids, jnp.zeros(batch, jnp.int32)))
+    model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
+    assert pack_for_decoding(model) > 0
+    assert model.cfg.num_local_experts > 0
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    cache = Cache.init(model.cfg, batch, 16, jnp.bfloat16)
+    if cpu_kernels.available():
+        text = step.trace(model, ids[:, :1], cache).lower().as_text()
+        assert (cpu_kernels.MATVEC_TARGET if batch == 1 else cpu_kernels.TARGET) in text
+        assert cpu_kernels.EXPERT_TARGET in text
+    logits = []
+    for t in range(ids.shape[1]):
+        out, cache = step(model, ids[:, t : t + 1], cache)
+        logits.append(np.asarray(out, np.float32))
+    assert rel_err(np.concatenate(logits, axis=1), f32) < 3e-2
 
 
 # Published totals (ibm.com/granite/docs; granite4.md §5): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.

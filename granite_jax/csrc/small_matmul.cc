@@ -26,6 +26,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "parallel.h"
@@ -42,12 +44,28 @@ constexpr int64_t K_BLOCK = 256;          // 8 KB of a panel: L1-resident while 
 constexpr int STREAMS = 4;                // row ranges a thread reads at once in MatVec (4 and 8 measured best)
 constexpr int64_t MIN_TILED_ROWS = 4;     // rows of one expert from which ExpertMatvec tiles them in registers
 
+using bf16 = uint16_t;  // bfloat16 weights: the upper half of a float32's bits
+
+// Eight weights as float32: loaded, or widened from bfloat16 (exactly: a shift into the upper half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // y[n] = w[n, :] . x for the rows n = r0 + s * len + i, s < S, i < len: S sequential streams through W.
-template <int S>
-void row_streams(const float* __restrict x, const float* __restrict w, float* __restrict y, int64_t K, int64_t r0,
+template <int S, typename T>
+void row_streams(const float* __restrict x, const T* __restrict w, float* __restrict y, int64_t K, int64_t r0,
                  int64_t len) {
   for (int64_t i = 0; i < len; ++i) {
-    const float* row[S];
+    const T* row[S];
     __m256 acc[S];
     for (int s = 0; s < S; ++s) {
       row[s] = w + (r0 + s * len + i) * K;
@@ -56,18 +74,19 @@ void row_streams(const float* __restrict x, const float* __restrict w, float* __
     int64_t k = 0;
     for (; k + LANES <= K; k += LANES) {
       const __m256 xv = _mm256_loadu_ps(x + k);
-      for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(xv, _mm256_loadu_ps(row[s] + k), acc[s]);
+      for (int s = 0; s < S; ++s) acc[s] = _mm256_fmadd_ps(xv, load8(row[s] + k), acc[s]);
     }
     for (int s = 0; s < S; ++s) {
       float sum = granite::horizontal_sum(acc[s]);
-      for (int64_t j = k; j < K; ++j) sum += row[s][j] * x[j];
+      for (int64_t j = k; j < K; ++j) sum += to_float(row[s][j]) * x[j];
       y[r0 + s * len + i] = sum;
     }
   }
 }
 
 // Rows [r0, r1) of y = W x: STREAMS streams of equal length, the rest one row at a time.
-void matvec_rows(const float* x, const float* w, float* y, int64_t K, int64_t r0, int64_t r1) {
+template <typename T>
+void matvec_rows(const float* x, const T* w, float* y, int64_t K, int64_t r0, int64_t r1) {
   const int64_t len = (r1 - r0) / STREAMS;
   row_streams<STREAMS>(x, w, y, K, r0, len);
   row_streams<1>(x, w, y, K, r0 + STREAMS * len, r1 - r0 - STREAMS * len);
@@ -75,23 +94,22 @@ void matvec_rows(const float* x, const float* w, float* y, int64_t K, int64_t r0
 
 // y_j[n0:n1] (+)= x_j[k0:k1] W[k0:k1, n0:n1] for the rows j < RB (RB = 1 or 2) of one (K, N) matrix W, rows of W in
 // order, four at a time: each load of W feeds RB rows. y_j is zeroed first when `first`.
-template <int RB>
-void rows_axpy(const float* const* __restrict x, const float* __restrict w, float* const* __restrict y, int64_t N,
+template <int RB, typename T>
+void rows_axpy(const float* const* __restrict x, const T* __restrict w, float* const* __restrict y, int64_t N,
                int64_t n0, int64_t n1, int64_t k0, int64_t k1, bool first) {
   if (first) {
     for (int j = 0; j < RB; ++j) std::fill(y[j] + n0, y[j] + n1, 0.0f);
   }
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
-    const float* r = w + k * N;
+    const T* r = w + k * N;
     __m256 a[RB][4];
     for (int j = 0; j < RB; ++j) {
       for (int i = 0; i < 4; ++i) a[j][i] = _mm256_set1_ps(x[j][k + i]);
     }
     int64_t n = n0;
     for (; n + LANES <= n1; n += LANES) {
-      const __m256 w0 = _mm256_loadu_ps(r + n), w1 = _mm256_loadu_ps(r + N + n);
-      const __m256 w2 = _mm256_loadu_ps(r + 2 * N + n), w3 = _mm256_loadu_ps(r + 3 * N + n);
+      const __m256 w0 = load8(r + n), w1 = load8(r + N + n), w2 = load8(r + 2 * N + n), w3 = load8(r + 3 * N + n);
       for (int j = 0; j < RB; ++j) {
         __m256 acc = _mm256_loadu_ps(y[j] + n);
         acc = _mm256_fmadd_ps(a[j][0], w0, acc);
@@ -103,14 +121,15 @@ void rows_axpy(const float* const* __restrict x, const float* __restrict w, floa
     }
     for (; n < n1; ++n) {
       for (int j = 0; j < RB; ++j) {
-        y[j][n] += x[j][k] * r[n] + x[j][k + 1] * r[N + n] + x[j][k + 2] * r[2 * N + n] + x[j][k + 3] * r[3 * N + n];
+        y[j][n] += x[j][k] * to_float(r[n]) + x[j][k + 1] * to_float(r[N + n]) + x[j][k + 2] * to_float(r[2 * N + n]) +
+                   x[j][k + 3] * to_float(r[3 * N + n]);
       }
     }
   }
   for (; k < k1; ++k) {
-    const float* r = w + k * N;
+    const T* r = w + k * N;
     for (int j = 0; j < RB; ++j) {
-      for (int64_t n = n0; n < n1; ++n) y[j][n] += x[j][k] * r[n];
+      for (int64_t n = n0; n < n1; ++n) y[j][n] += x[j][k] * to_float(r[n]);
     }
   }
 }
@@ -156,7 +175,8 @@ void register_tiles(const float* const* x, int64_t k0, const float* strip, int64
 // More are bound by arithmetic: W in blocks of K_ROWS rows, each block read in order and copied into 16-column strips
 // (a GEMM's packed panel), every strip then read from cache by each tile of four rows and accumulated in registers;
 // the columns past the last whole strip go the first way.
-void expert_rows(const float* const* x, const float* w, float* const* y, int64_t count, int64_t N, int64_t k0,
+template <typename T>
+void expert_rows(const float* const* x, const T* w, float* const* y, int64_t count, int64_t N, int64_t k0,
                  int64_t k1) {
   constexpr int64_t STRIP = 2 * LANES, K_ROWS = 64, L1_FLOATS = 6144;  // 24 KB of partials
   const int64_t strips = count >= MIN_TILED_ROWS ? N / STRIP : 0, strips_end = strips * STRIP;
@@ -170,11 +190,11 @@ void expert_rows(const float* const* x, const float* w, float* const* y, int64_t
   for (int64_t kb = k0; strips > 0 && kb < k1; kb += K_ROWS) {
     const int64_t rows = std::min(k1, kb + K_ROWS) - kb;
     for (int64_t k = 0; k < rows; ++k) {
-      const float* src = w + (kb + k) * N;
+      const T* src = w + (kb + k) * N;
       for (int64_t s = 0; s < strips; ++s) {
         float* dst = packed + s * pitch + k * STRIP;
-        _mm256_store_ps(dst, _mm256_loadu_ps(src + s * STRIP));
-        _mm256_store_ps(dst + LANES, _mm256_loadu_ps(src + s * STRIP + LANES));
+        _mm256_store_ps(dst, load8(src + s * STRIP));
+        _mm256_store_ps(dst + LANES, load8(src + s * STRIP + LANES));
       }
     }
     for (int64_t s = 0; s < strips; ++s) {
@@ -192,13 +212,13 @@ void expert_rows(const float* const* x, const float* w, float* const* y, int64_t
 
 // acc[i, c] (+)= sum_k xt[k, i] w[k, c] over k in [k0, k1) for the MB rows of one group against one panel; acc holds
 // MB x 8 floats, zeroed first when `first`.
-template <int MB>
-void panel_group(const float* __restrict xt, const float* __restrict w, float* __restrict acc_io, int64_t k0,
+template <int MB, typename T>
+void panel_group(const float* __restrict xt, const T* __restrict w, float* __restrict acc_io, int64_t k0,
                  int64_t k1, bool first, bool prefetch) {
   __m256 acc[MB];
   for (int i = 0; i < MB; ++i) acc[i] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc_io + i * LANES);
   auto step = [&](int64_t k) {
-    const __m256 wv = _mm256_loadu_ps(w + k * LANES);
+    const __m256 wv = load8(w + k * LANES);
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(xt + k * LANES + i), wv, acc[i]);
   };
   int64_t k = k0;
@@ -213,8 +233,8 @@ void panel_group(const float* __restrict xt, const float* __restrict w, float* _
   for (int i = 0; i < MB; ++i) _mm256_store_ps(acc_io + i * LANES, acc[i]);
 }
 
-void group(int64_t rows, const float* xt, const float* w, float* acc, int64_t k0, int64_t k1, bool first,
-           bool prefetch) {
+template <typename T>
+void group(int64_t rows, const float* xt, const T* w, float* acc, int64_t k0, int64_t k1, bool first, bool prefetch) {
   switch (rows) {
     case 8: panel_group<8>(xt, w, acc, k0, k1, first, prefetch); break;
     case 7: panel_group<7>(xt, w, acc, k0, k1, first, prefetch); break;
@@ -230,11 +250,12 @@ void group(int64_t rows, const float* xt, const float* w, float* acc, int64_t k0
 // Panels [p0, p1) against every row of x (M <= MAX_ROWS rows, transposed in groups of eight: xt (G, K, 8)). With
 // more than one group, K is walked in blocks of K_BLOCK so that every group finds the block of the panel in L1;
 // only the first group prefetches.
-void panels(const float* xt, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+template <typename T>
+void panels(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   alignas(32) float acc[MAX_ROWS * LANES];
   const int64_t block = M > LANES ? K_BLOCK : K;
   for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * LANES;
+    const T* panel = w + p * K * LANES;
     for (int64_t k0 = 0; k0 < K; k0 += block) {
       const int64_t k1 = std::min(K, k0 + block);
       for (int64_t m = 0; m < M; m += LANES) {
@@ -246,8 +267,17 @@ void panels(const float* xt, const float* w, float* y, int64_t M, int64_t K, int
   }
 }
 
-ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::ResultBuffer<ffi::F32> y) {
+// Calls body(ws) with W's data typed (float32 or bfloat16); other dtypes are an error naming the kernel.
+template <typename Body>
+ffi::Error with_weights(const ffi::AnyBuffer& w, const char* kernel, Body body) {
+  switch (w.element_type()) {
+    case ffi::DataType::F32: body(static_cast<const float*>(w.untyped_data())); return ffi::Error::Success();
+    case ffi::DataType::BF16: body(static_cast<const bf16*>(w.untyped_data())); return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": the weights must be float32 or bfloat16");
+  }
+}
+
+ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
   auto y_dims = y->dimensions();
@@ -274,17 +304,16 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
     for (int64_t k = 0; k < K; ++k) dst[k * LANES] = xs[m * K + k];
   }
 
-  const float* ws = w.typed_data();
   const float* xts = xt.data();
   const int64_t chunk = granite::chunk_length(pool, P, 8, 2);
-  granite::parallel_chunks(pool, (P + chunk - 1) / chunk, [=](int64_t c) {
-    panels(xts, ws, out, M, K, N, c * chunk, std::min(P, (c + 1) * chunk));
+  return with_weights(w, "small_matmul", [&](const auto* ws) {
+    granite::parallel_chunks(pool, (P + chunk - 1) / chunk, [=](int64_t c) {
+      panels(xts, ws, out, M, K, N, c * chunk, std::min(P, (c + 1) * chunk));
+    });
   });
-  return ffi::Error::Success();
 }
 
-ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
   if (w_dims.size() != 2 || x_dims.size() < 1 || x_dims.back() != w_dims[1] || x.element_count() != w_dims[1] ||
@@ -298,16 +327,16 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::Success();
   }
   const float* xs = x.typed_data();
-  const float* ws = w.typed_data();
   const int64_t chunk = granite::chunk_length(pool, N, 8 * STREAMS, 2);
-  granite::parallel_chunks(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
-    matvec_rows(xs, ws, out, K, c * chunk, std::min(N, (c + 1) * chunk));
+  return with_weights(w, "matvec", [&](const auto* ws) {
+    granite::parallel_chunks(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
+      matvec_rows(xs, ws, out, K, c * chunk, std::min(N, (c + 1) * chunk));
+    });
   });
-  return ffi::Error::Success();
 }
 
-ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Buffer<ffi::S32> experts, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> experts,
+                        ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
   auto y_dims = y->dimensions();
@@ -352,18 +381,19 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       yrows[c * R + i] = per_run > 1 ? partial.data() + (c * R + i) * N : out + order[i] * N;
     }
   }
-  const float* ws = w.typed_data();
   const int64_t* starts = start.data();
   const int64_t* run_experts = runs.data();
   const float* const* xs = xrows.data();
   float* const* ys = yrows.data();
-  granite::parallel_chunks(pool, num_runs * per_run, [=](int64_t item) {
-    const int64_t e = run_experts[item / per_run], c = item % per_run;
-    const int64_t first = starts[e], count = starts[e + 1] - first;
-    const int64_t k0 = std::min(K, c * chunk), k1 = std::min(K, (c + 1) * chunk);
-    expert_rows(xs + first, ws + e * K * N, ys + c * R + first, count, N, k0, k1);
+  ffi::Error status = with_weights(w, "expert_matvec", [&](const auto* ws) {
+    granite::parallel_chunks(pool, num_runs * per_run, [=](int64_t item) {
+      const int64_t e = run_experts[item / per_run], c = item % per_run;
+      const int64_t first = starts[e], count = starts[e + 1] - first;
+      const int64_t k0 = std::min(K, c * chunk), k1 = std::min(K, (c + 1) * chunk);
+      expert_rows(xs + first, ws + e * K * N, ys + c * R + first, count, N, k0, k1);
+    });
   });
-  if (per_run == 1) return ffi::Error::Success();
+  if (status.failure() || per_run == 1) return status;
   for (int64_t i = 0; i < R; ++i) {
     float* dst = out + order[i] * N;
     std::copy(ys[i], ys[i] + N, dst);
@@ -377,24 +407,24 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_expert_matvec_f32, ExpertMatvec,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_expert_matvec, ExpertMatvec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_matvec_f32, MatVec,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_matvec, MatVec,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_small_matmul_f32, SmallMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_small_matmul, SmallMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
