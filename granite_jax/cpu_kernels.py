@@ -49,7 +49,7 @@ LANES = 8  # rows of w per panel of `pack`: one AVX2 vector of float32
 TARGET = "granite_small_matmul"
 MATVEC_TARGET = "granite_matvec"
 EXPERT_TARGET = "granite_expert_matvec"
-WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
@@ -106,7 +106,7 @@ def expert_linear(x: Array, w: Array, experts: Array) -> Array:
 
 def uses_expert_kernel(x: Array, w: Array) -> bool:
     """Whether `expert_linear(x, w, experts)` runs the kernel when lowered for a CPU."""
-    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype in WEIGHT_DTYPES and available()
+    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype in KERNEL_DTYPES and available()
 
 
 def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
@@ -160,14 +160,14 @@ def _expert_kernel_jvp(primals, tangents):  # bilinear in (x, w): XLA's version,
 
 def uses_matvec(x: Array, w: Array) -> bool:
     """Whether `linear(x, w)` runs the matrix-vector kernel when lowered for a CPU."""
-    return math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and x.dtype == w.dtype in WEIGHT_DTYPES and available()
+    return math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and x.dtype == w.dtype in KERNEL_DTYPES and available()
 
 
 def uses_kernel(x: Array, packed: Array) -> bool:
     """Whether `linear(x, w, packed)` runs the kernel when lowered for a CPU."""
     rows = math.prod(x.shape[:-1])
     return (
-        x.dtype == packed.dtype in WEIGHT_DTYPES
+        x.dtype == packed.dtype in KERNEL_DTYPES
         and MIN_ROWS <= rows <= MAX_ROWS
         and packed.ndim == 3
         and packed.shape[2] == LANES

@@ -156,7 +156,7 @@ class BatchLayout:
 
 
 def _should_pack(model: Granite, pack_weights: bool | None) -> bool:
-    if pack_weights is False or not cpu_kernels.available() or jnp.dtype(model.dtype) not in cpu_kernels.WEIGHT_DTYPES:
+    if pack_weights is False or not cpu_kernels.available() or jnp.dtype(model.dtype) not in cpu_kernels.KERNEL_DTYPES:
         return False
     if pack_weights:
         return True

@@ -512,7 +512,7 @@ def pack_for_decoding(model: Granite) -> int:
 
     The copies double the memory those weights take and are not updated with them: pack again after changing them.
     """
-    if jnp.dtype(model.dtype) not in cpu_kernels.WEIGHT_DTYPES:
+    if jnp.dtype(model.dtype) not in cpu_kernels.KERNEL_DTYPES:
         return 0
     for linear in _linears(model):
         linear.pack()

@@ -1,4 +1,6 @@
-// The products of a decoding step in float32 for the few rows of x (granite_jax/cpu_kernels.py): three kernels.
+// The products of a decoding step for the few rows of x, and of the routed experts (granite_jax/cpu_kernels.py):
+// three kernels. W is float32 or bfloat16 (each kernel a template over its element type, `load8` widening bfloat16
+// to float32 in registers, exactly); x, y and the arithmetic are float32.
 //
 // MatVec, one row of x, W as it is, (N, K) row-major. XLA:CPU walks W a few rows at a time, so at K = 768 it
 // starts a new 3 KB stream every few rows and the hardware prefetchers, which learn one stream at a time, lag:
@@ -9,9 +11,10 @@
 // ExpertMatvec, rows of x each through its own expert's matrix, W stacked (E, K, N) row-major as in the model
 // (`model.MoE`): y[r] = x[r] W[e[r]]. XLA gathers the chosen experts' matrices into a copy first, at a few GB/s, or
 // (many rows) runs blocks of rows padded per expert; here the rows are sorted by expert and each chosen expert is read
-// in place, once for all its rows: K is cut into chunks that the threads share (as few as keep them all busy), each
-// chunk's rows of W read in order four at a time and every load of W fed to two rows, into partials of the rows'
-// outputs that stay in L1 (columns in blocks when the rows are many); the partials of K's chunks are summed at the end.
+// in place, once for all its rows: K is cut into chunks that the threads share (as few as keep them all busy). Up to
+// three rows of an expert read each chunk's rows of W in order four at a time, every load fed to two rows, into
+// partials that stay in L1; four or more (prefill) copy 64-row blocks of W into 16-column strips and run tiles of
+// four rows against them in registers (`expert_rows`). The partials of K's chunks are summed at the end.
 //
 // SmallMatmul, 2-16 rows of x, W packed in panels:
 // x (..., K) row-major, W packed as (P, K, 8): panel p holds rows 8p..8p+7 of the (N, K) matrix interleaved, so that
