@@ -177,8 +177,9 @@ def expert_reference(x, w, experts):
 
 # h-tiny's experts at batch 1 (6 rows, in and out), batch 8 (48 rows, repeated experts); K with a tail past the
 # four-row step and shorter than one chunk, N with a tail past the 8-float vector; one expert; prefill-like runs of
-# ~40 rows per expert (N cut into column blocks, K into chunks whose partials are summed) and ~3 rows per expert
-# over many experts (K uncut: the rows' outputs written directly), odd counts leaving a row without a partner.
+# ~40 rows per expert (register tiles on 16-column strips, a 12-column tail, K in chunks whose partials are summed)
+# and ~3 rows per expert over many experts (K uncut: the rows' outputs written directly; some experts tiled, some
+# not), odd counts leaving a row without a partner.
 @pytest.mark.parametrize(
     "r,e,k,n",
     [

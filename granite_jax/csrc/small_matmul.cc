@@ -95,14 +95,12 @@ void matvec_rows(const float* x, const T* w, float* y, int64_t K, int64_t r0, in
   row_streams<1>(x, w, y, K, r0 + STREAMS * len, r1 - r0 - STREAMS * len);
 }
 
-// y_j[n0:n1] (+)= x_j[k0:k1] W[k0:k1, n0:n1] for the rows j < RB (RB = 1 or 2) of one (K, N) matrix W, rows of W in
-// order, four at a time: each load of W feeds RB rows. y_j is zeroed first when `first`.
+// y_j[n0:n1] = x_j[k0:k1] W[k0:k1, n0:n1] for the rows j < RB (RB = 1 or 2) of one (K, N) matrix W, rows of W in
+// order, four at a time: each load of W feeds RB rows.
 template <int RB, typename T>
 void rows_axpy(const float* const* __restrict x, const T* __restrict w, float* const* __restrict y, int64_t N,
-               int64_t n0, int64_t n1, int64_t k0, int64_t k1, bool first) {
-  if (first) {
-    for (int j = 0; j < RB; ++j) std::fill(y[j] + n0, y[j] + n1, 0.0f);
-  }
+               int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  for (int j = 0; j < RB; ++j) std::fill(y[j] + n0, y[j] + n1, 0.0f);
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
     const T* r = w + k * N;
@@ -208,8 +206,8 @@ void expert_rows(const float* const* x, const T* w, float* const* y, int64_t cou
   for (int64_t n0 = strips_end; n0 < N; n0 += width) {
     const int64_t n1 = std::min(N, n0 + width);
     int64_t j = 0;
-    for (; j + 2 <= count; j += 2) rows_axpy<2>(x + j, w, y + j, N, n0, n1, k0, k1, true);
-    if (j < count) rows_axpy<1>(x + j, w, y + j, N, n0, n1, k0, k1, true);
+    for (; j + 2 <= count; j += 2) rows_axpy<2>(x + j, w, y + j, N, n0, n1, k0, k1);
+    if (j < count) rows_axpy<1>(x + j, w, y + j, N, n0, n1, k0, k1);
   }
 }
 
