@@ -40,6 +40,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=17, help="generated tokens per sequence (the first is prefill's)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
+    p.add_argument(
+        "--weight-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="keep granite-jax's weights in this dtype instead (bfloat16 with --dtype float32: float32 arithmetic on "
+        "bfloat16 weights; transformers reads the same values when the weights are random or stored in bfloat16). "
+        "Default: --dtype",
+    )
     p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, after a warm-up (best kept)")
     p.add_argument("--skip-transformers", action="store_true", help="measure granite-jax only")
     p.add_argument(
@@ -72,9 +80,11 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
     from granite_jax.experiments.throughput import best_bandwidth, decode_floor, memory_bandwidth, paired_floor
 
     if args.skip_transformers:
-        pair = compare.Pair(spec.load(dtype=args.dtype), None, args.dtype, spec.describe())
+        pair = compare.Pair(
+            spec.load(dtype=args.dtype, weight_dtype=args.weight_dtype), None, args.dtype, spec.describe()
+        )
     else:
-        pair = compare.load_pair(spec, dtype=args.dtype)
+        pair = compare.load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype)
     probe_bytes = args.probe_mib << 20
     before = memory_bandwidth(probe_bytes)
     rows = []
@@ -133,7 +143,8 @@ def main(argv=None) -> int:
     env = environment()
     bandwidth, floor_tok_s = floor["bandwidth_gb_s"], floor["decode_floor_tok_s"]
     header = (
-        f"model: {spec.describe()} ({floor['param_bytes'] / 1e9:.2f} GB of {args.dtype} parameters); prompt "
+        f"model: {spec.describe()} ({floor['param_bytes'] / 1e9:.2f} GB of {args.weight_dtype or args.dtype} "
+        f"parameters, {args.dtype} arithmetic); prompt "
         f"{args.prompt_len} tokens, {args.new_tokens} new tokens; jax {jax.__version__} on {os.cpu_count()} CPU cores\n"
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())

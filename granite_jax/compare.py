@@ -83,10 +83,13 @@ class Pair:
         return self._generator
 
 
-def load_pair(spec: ModelSpec, *, dtype: str = "float32", ssd_impl: str = "xla") -> Pair:
-    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory)."""
+def load_pair(
+    spec: ModelSpec, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla"
+) -> Pair:
+    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory), both
+    computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
     quiet_transformers()
-    model = spec.load(dtype=dtype, ssd_impl=ssd_impl)
+    model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
     hf = hf_model(model, spec.checkpoint, dtype)
     return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint))
 

@@ -5,7 +5,10 @@
   of the memory bandwidth, and one row at 80-85% of it where rows are short (K = 768) (docs/generation.md); in
   bfloat16 it converts every weight and reaches a few percent of it. Float32 and bfloat16 products of one row, on W as
   it is, and of 2-16 rows, on W's panels (`pack`), go to `csrc/small_matmul.cc`, which streams W once (bfloat16
-  weights widened to float32 in registers, float32 arithmetic).
+  weights widened to float32 in registers, float32 arithmetic). x and W may differ: float32 activations on bfloat16
+  weights compute what the float32 model of those weights computes, from half the bytes.
+- `cast_at_use`: bfloat16 weights widened for XLA's float32 products of many rows (prefill), each right before its
+  product (XLA would convert them all at a step's start, a float32 copy of the model alive at once).
 - `expert_linear`: y[r] = x[r] W[e[r]] for the (token, expert) rows of a mixture-of-experts layer, W the stacked
   experts (E, K, N). XLA gathers the chosen experts into a copy first (slowly: the gather was most of an h-tiny decode
   step), or, for many rows, runs expert-aligned blocks of padded rows; the kernel reads each chosen expert in place,
@@ -14,7 +17,7 @@
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
 
-Both are XLA FFI custom calls for x86-64 CPUs with AVX2 and FMA, compiled into one library with the system C++
+All are XLA FFI custom calls for x86-64 CPUs with AVX2 and FMA, compiled into one library with the system C++
 compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or ``~/.cache/granite_jax``). Without a compiler, on
 another CPU, or with ``GRANITE_JAX_CPU_KERNELS=0``, every call is XLA's; `unavailable_reason()` says why. They are not
 built where JAX's default backend is not the CPU; where they are, `lax.platform_dependent` still lowers XLA's version
@@ -50,6 +53,7 @@ TARGET = "granite_small_matmul"
 MATVEC_TARGET = "granite_matvec"
 EXPERT_TARGET = "granite_expert_matvec"
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
+WIDEN_TARGET = "granite_widen"
 SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
@@ -81,21 +85,54 @@ def unpack(packed: Array, n: int) -> Array:
 
 
 def linear(x: Array, w: Array, packed: Array | None = None) -> Array:
-    """x (..., K) @ w (N, K)^T -> (..., N). On CPUs with the kernels, in float32 or bfloat16 (x and w alike; float32
-    arithmetic, rounded to x's dtype at the end): one row by the matrix-vector kernel on w; MIN_ROWS..MAX_ROWS rows,
-    given w's panels (`pack(w)`), by the panel kernel; otherwise XLA."""
+    """x (..., K) @ w (N, K)^T -> (..., N) in x's dtype. On CPUs with the kernels, x and w each float32 or bfloat16
+    (float32 arithmetic on w's values, rounded to x's dtype at the end): one row by the matrix-vector kernel on w;
+    MIN_ROWS..MAX_ROWS rows, given w's panels (`pack(w)`), by the panel kernel. Otherwise XLA, on w cast to x's dtype
+    (so bfloat16 weights under float32 activations give the products of their float32 values either way)."""
     # The kernels are chosen when lowering: on every platform but the CPU, XLA's product with w.
     if uses_matvec(x, w):
-        return lax.platform_dependent(x, w, cpu=_matvec, default=dot)
+        return lax.platform_dependent(x, w, cpu=_matvec, default=_xla_dot)
     if packed is None or not uses_kernel(x, packed):
-        return dot(x, w)
+        return _xla_dot(x, w)
     n = w.shape[0]
-    return lax.platform_dependent(x, w, packed, cpu=lambda x, w, p: _kernel(x, p, n), default=lambda x, w, p: dot(x, w))
+    return lax.platform_dependent(
+        x, w, packed, cpu=lambda x, w, p: _kernel(x, p, n), default=lambda x, w, p: _xla_dot(x, w)
+    )
+
+
+def _xla_dot(x: Array, w: Array) -> Array:
+    return dot(x, cast_at_use(w, x))
+
+
+def _tangent_dot(x: Array, w: Array) -> Array:  # in tangents: XLA's cast, which JAX transposes (the kernel's it cannot)
+    return dot(x, w.astype(x.dtype))
+
+
+def cast_at_use(w: Array, x: Array) -> Array:
+    """w in x's dtype for a product with x. Left to schedule a step's weight conversions, XLA:CPU runs them all at the
+    step's start, alive at once: a float32 copy of every bfloat16 weight in temporary memory (1 GB for h-350m's
+    prefill; an optimization barrier does not survive its passes). On CPUs with the kernels, bfloat16 weights are
+    widened by a kernel that takes x as an (unread) operand, so that each conversion waits for its product's input."""
+    if w.dtype == x.dtype:
+        return w
+    if w.dtype == jnp.bfloat16 and x.dtype == jnp.float32 and available():
+        return lax.platform_dependent(x, w, cpu=_widen, default=lambda x, w: w.astype(x.dtype))
+    return w.astype(x.dtype)
+
+
+@jax.custom_jvp
+def _widen(x: Array, w: Array) -> Array:
+    return jax.ffi.ffi_call(WIDEN_TARGET, jax.ShapeDtypeStruct(w.shape, jnp.float32), vmap_method="sequential")(x, w)
+
+
+@_widen.defjvp
+def _widen_jvp(primals, tangents):  # linear in w, constant in x
+    return _widen(*primals), tangents[1].astype(jnp.float32)
 
 
 def expert_linear(x: Array, w: Array, experts: Array) -> Array:
     """x (R, K) rows each through its expert's matrix: y[r] = x[r] @ w[experts[r]], w (E, K, N), experts (R,) int ->
-    (R, N) in x's dtype. On CPUs with the kernels, in float32 or bfloat16 (x and w alike; float32 arithmetic), each
+    (R, N) in x's dtype. On CPUs with the kernels, x and w each float32 or bfloat16 (float32 arithmetic), each
     chosen expert is read in place, once for all its rows; otherwise XLA: a gather of the chosen experts (then a cast
     to x's dtype) for up to `GATHER_ROWS` rows, and expert-aligned blocks (`_expert_blocks`) for more. Expert ids
     outside [0, E) are an error in the kernel (XLA's gather would clamp them)."""
@@ -106,7 +143,7 @@ def expert_linear(x: Array, w: Array, experts: Array) -> Array:
 
 def uses_expert_kernel(x: Array, w: Array) -> bool:
     """Whether `expert_linear(x, w, experts)` runs the kernel when lowered for a CPU."""
-    return x.ndim == 2 and w.ndim == 3 and x.dtype == w.dtype in KERNEL_DTYPES and available()
+    return x.ndim == 2 and w.ndim == 3 and _kernel_dtypes(x, w) and available()
 
 
 def _expert_xla(x: Array, w: Array, experts: Array) -> Array:
@@ -160,14 +197,18 @@ def _expert_kernel_jvp(primals, tangents):  # bilinear in (x, w): XLA's version,
 
 def uses_matvec(x: Array, w: Array) -> bool:
     """Whether `linear(x, w)` runs the matrix-vector kernel when lowered for a CPU."""
-    return math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and x.dtype == w.dtype in KERNEL_DTYPES and available()
+    return math.prod(x.shape[:-1]) == 1 and w.ndim == 2 and _kernel_dtypes(x, w) and available()
+
+
+def _kernel_dtypes(x: Array, w: Array) -> bool:
+    return x.dtype in KERNEL_DTYPES and w.dtype in KERNEL_DTYPES
 
 
 def uses_kernel(x: Array, packed: Array) -> bool:
     """Whether `linear(x, w, packed)` runs the kernel when lowered for a CPU."""
     rows = math.prod(x.shape[:-1])
     return (
-        x.dtype == packed.dtype in KERNEL_DTYPES
+        _kernel_dtypes(x, packed)
         and MIN_ROWS <= rows <= MAX_ROWS
         and packed.ndim == 3
         and packed.shape[2] == LANES
@@ -190,14 +231,14 @@ def _matvec(x: Array, w: Array) -> Array:
 @_matvec.defjvp
 def _matvec_jvp(primals, tangents):  # bilinear, written with XLA products so that JAX can transpose it
     (x, w), (dx, dw) = primals, tangents
-    return _matvec(x, w), dot(dx, w) + dot(x, dw)
+    return _matvec(x, w), _tangent_dot(dx, w) + _tangent_dot(x, dw)
 
 
 @_kernel.defjvp
 def _kernel_jvp(n, primals, tangents):
     # The product is bilinear; its tangent is written with XLA products, which JAX can transpose (gradients).
     (x, packed), (dx, dpacked) = primals, tangents
-    return _kernel(x, packed, n), dot(dx, unpack(packed, n)) + dot(x, unpack(dpacked, n))
+    return _kernel(x, packed, n), _tangent_dot(dx, unpack(packed, n)) + _tangent_dot(x, unpack(dpacked, n))
 
 
 def ssm_update(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tuple[Array, Array]:
@@ -266,7 +307,7 @@ def _build_and_register() -> str | None:
         return reason
     try:
         library = ctypes.CDLL(str(_compiled_library()))
-        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, SSM_TARGET):
+        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, SSM_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()

@@ -122,10 +122,10 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         packed = None if self.packed is None else self.packed[...]
-        return cpu_kernels.linear(x.astype(self.dtype), self.weight[...].astype(self.dtype), packed)
+        return cpu_kernels.linear(x.astype(self.dtype), self.weight[...], packed)  # W as stored: see `linear`
 
     def pack(self) -> None:
-        self.packed = Packed(cpu_kernels.pack(self.weight[...].astype(self.dtype)))
+        self.packed = Packed(cpu_kernels.pack(self.weight[...]))
 
 
 # ---------------------------------------------------------------------------------------------- norms
@@ -379,8 +379,9 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         tokens = order // k
         group_sizes = jnp.bincount(flat, length=self.cfg.num_local_experts).astype(jnp.int32)
-        w_in, w_out = (w[...].astype(self.dtype) for w in (self.input_linear, self.output_linear))
-        h = self._swiglu(lax.ragged_dot(x[tokens].astype(self.dtype), w_in, group_sizes))
+        rows = x[tokens].astype(self.dtype)
+        w_in, w_out = (cpu_kernels.cast_at_use(w[...], rows) for w in (self.input_linear, self.output_linear))
+        h = self._swiglu(lax.ragged_dot(rows, w_in, group_sizes))
         y = lax.ragged_dot(h, w_out, group_sizes) * gates.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[tokens].add(y.astype(x.dtype))
 
@@ -417,7 +418,7 @@ class Granite(nnx.Module):
     """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.param_dtype = cfg, dtype, param_dtype
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
@@ -456,7 +457,7 @@ class Granite(nnx.Module):
         else:
             pad = jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
             pos = Positions(jnp.arange(T, dtype=jnp.int32), pad)
-        x = self.embed_tokens(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
+        x = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         hidden, states = [], []
         for i, layer in enumerate(self.layers):
             x, state = layer(x, pos, None if cache is None else cache.layers[i])
@@ -471,6 +472,11 @@ class Granite(nnx.Module):
                 logits = jnp.where(new_cache.index <= cache.max_len, logits, jnp.nan)
         return logits, new_cache, tuple(hidden)
 
+    def embed(self, tokens: Array) -> Array:
+        """The embedding rows of tokens (b, T), in the activations' dtype: gathered, then cast (`nnx.Embed` casts the
+        whole table first, a copy of it per call when the weights are kept in another dtype)."""
+        return jnp.take(self.embed_tokens.embedding[...], tokens, axis=0).astype(self.dtype)
+
     def head(self, x: Array) -> Array:
         """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""
         x = self.norm(x)
@@ -478,7 +484,7 @@ class Granite(nnx.Module):
             # Tied: contract the (V, H) embedding over its contiguous axis, as `Linear` does. `x @ embedding.T`
             # (Embed.attend) made XLA:CPU copy the whole transposed embedding on every call, which costs more than the
             # product in decoding.
-            embedding = self.embed_tokens.embedding[...].astype(self.dtype)
+            embedding = self.embed_tokens.embedding[...]
             packed = None if self.packed_embedding is None else self.packed_embedding[...]
             logits = cpu_kernels.linear(x.astype(self.dtype), embedding, packed)
         else:
@@ -506,18 +512,17 @@ def count_params(model: Granite) -> int:
 
 
 def pack_for_decoding(model: Granite) -> int:
-    """Give every `Linear` of a float32 or bfloat16 model, and a tied output embedding, a copy of its weight in the
-    layout that decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: another dtype, nothing
-    packed).
+    """Give every `Linear` of a `packable` model, and a tied output embedding, a copy of its weight in the layout that
+    decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: other dtypes, nothing packed).
 
     The copies double the memory those weights take and are not updated with them: pack again after changing them.
     """
-    if jnp.dtype(model.dtype) not in cpu_kernels.KERNEL_DTYPES:
+    if not packable(model):
         return 0
     for linear in _linears(model):
         linear.pack()
     if model.lm_head is None:
-        model.packed_embedding = Packed(cpu_kernels.pack(model.embed_tokens.embedding[...].astype(model.dtype)))
+        model.packed_embedding = Packed(cpu_kernels.pack(model.embed_tokens.embedding[...]))
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, Packed)))
 
 
@@ -526,7 +531,13 @@ def packing_bytes(model: Granite) -> int:
     weights = [linear.weight for linear in _linears(model)]
     if model.lm_head is None:
         weights.append(model.embed_tokens.embedding)
-    return sum(jnp.dtype(model.dtype).itemsize * math.prod(w.shape) for w in weights)
+    return sum(w.dtype.itemsize * math.prod(w.shape) for w in weights)
+
+
+def packable(model: Granite) -> bool:
+    """Whether the panel kernel takes this model's products: activations and weights float32 or bfloat16."""
+    dtypes = {jnp.dtype(model.dtype), jnp.dtype(model.param_dtype)}
+    return dtypes <= set(cpu_kernels.KERNEL_DTYPES)
 
 
 def _linears(model: Granite) -> list[Linear]:
@@ -536,6 +547,6 @@ def _linears(model: Granite) -> list[Linear]:
 def with_ssd_impl(model: Granite, impl: str) -> Granite:
     """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
     cfg = model.cfg.replace(ssd_impl=impl)
-    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, param_dtype=model.dtype, rngs=nnx.Rngs(0)))
+    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, param_dtype=model.param_dtype, rngs=nnx.Rngs(0)))
     nnx.update(other, nnx.state(model, nnx.Param))
     return other

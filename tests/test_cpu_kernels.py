@@ -105,6 +105,65 @@ def test_one_row_matches_float64(rows, k, n, dtype):
     assert_close_to_float64(got, *float64_product(x, w), k, dtype)
 
 
+MIXED = [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)]  # (x, w): float32 on bfloat16 weights, and back
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", MIXED)
+@pytest.mark.parametrize("rows", [(1,), (3,)], ids=["one row", "packed"])
+def test_mixed_dtypes_match_float64(rows, x_dtype, w_dtype):
+    # x and w of different kernel dtypes: the kernels read each as it is (no converted copy of w), and the result is
+    # the float64 product of the two sets of exact values, rounded to x's dtype; gradients reach both.
+    x, w = (jnp.asarray(a, t) for a, t in zip(operands(rows, 200, 45), (x_dtype, w_dtype), strict=True))
+    linear = cpu_kernels.linear if rows == (1,) else packed_linear
+    assert cpu_kernels.uses_matvec(x, w) if rows == (1,) else cpu_kernels.uses_kernel(x, cpu_kernels.pack(w))
+    text = lowered(linear, x, w)
+    assert (cpu_kernels.MATVEC_TARGET if rows == (1,) else cpu_kernels.TARGET) in text
+    assert_close_to_float64(jax.jit(linear)(x, w), *float64_product(x, w), 200, x_dtype)
+    gx, gw = jax.jit(jax.grad(lambda x, w: jnp.sum(linear(x, w).astype(jnp.float32)), argnums=(0, 1)))(x, w)
+    assert gx.dtype == x_dtype and gw.dtype == w_dtype
+    w64 = np.asarray(w, np.float64)
+    tolerance = 1e-6 if x_dtype == jnp.float32 else 2.0**-8  # a sum of N float32 terms; rounded to bfloat16
+    assert np.all(np.abs(np.asarray(gx, np.float64) - w64.sum(0)) <= tolerance * np.abs(w64).sum(0))
+
+
+def test_weights_cast_at_use_are_exact_and_wait_for_their_product():
+    # bfloat16 weights under float32 activations, many rows (XLA's product, as in prefill): each weight is widened
+    # exactly, by a kernel that takes the activations as an operand, so that each conversion comes after the product
+    # before it. Left to XLA, the eight conversions below run first and are all alive at once.
+    rng = np.random.default_rng(5)
+    ws = [jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.bfloat16) for _ in range(8)]  # gain ~1 per layer
+    x = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
+    widened = jax.jit(cpu_kernels.cast_at_use)(ws[0], x)
+    assert widened.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(widened), np.asarray(ws[0], np.float32))
+    assert cpu_kernels.WIDEN_TARGET in lowered(cpu_kernels.cast_at_use, ws[0], x)
+    assert cpu_kernels.WIDEN_TARGET not in lowered(cpu_kernels.cast_at_use, ws[0], x, platform="cuda")
+
+    def chain(x, ws):
+        for w in ws:
+            x = jnp.tanh(cpu_kernels.linear(x, w))
+        return x
+
+    want = np.asarray(x, np.float64)
+    for w in ws:
+        want = np.tanh(want @ np.asarray(w, np.float64).T)
+    np.testing.assert_allclose(np.asarray(jax.jit(chain)(x, ws)), want, rtol=1e-4, atol=1e-5)
+    temp = jax.jit(chain).trace(x, ws).lower().compile().memory_analysis().temp_size_in_bytes
+    assert temp < 4 * 64 * 64 * 4  # a few float32 weights at a time, not eight
+    gw = jax.jit(jax.grad(lambda w: jnp.sum(chain(x, [w])), argnums=0))(ws[0])
+    assert gw.dtype == jnp.bfloat16 and gw.shape == ws[0].shape
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", MIXED)
+def test_mixed_dtype_expert_rows_match_float64(x_dtype, w_dtype):
+    x, w, experts = expert_operands(12, 5, 96, 40, seed=3)
+    x, w = jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype)
+    assert cpu_kernels.uses_expert_kernel(x, w)
+    assert cpu_kernels.EXPERT_TARGET in lowered(cpu_kernels.expert_linear, x, w, experts)
+    got = jax.jit(cpu_kernels.expert_linear)(x, w, experts)
+    assert_close_to_float64(got, *expert_reference(x, w, experts), 96, x_dtype)
+
+
 @pytest.mark.parametrize("linear", [packed_linear, cpu_kernels.linear], ids=["packed", "one row"])
 def test_empty_contraction_gives_zeros(linear):
     rows = 3 if linear is packed_linear else 1
@@ -220,7 +279,7 @@ def test_expert_rows_edge_cases():
 def test_expert_rows_elsewhere_are_xla():
     x, w, experts = expert_operands(4, 3, 16, 8)
     assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, x, w, experts, platform="cuda")
-    for x_dtype, w_dtype in ((jnp.float16, jnp.float16), (jnp.float32, jnp.bfloat16)):  # float16; mixed dtypes
+    for x_dtype, w_dtype in ((jnp.float16, jnp.float16), (jnp.float32, jnp.float16)):  # float16 x or w
         xo, wo = jnp.asarray(x, x_dtype), jnp.asarray(w, w_dtype)
         assert not cpu_kernels.uses_expert_kernel(xo, wo)
         assert cpu_kernels.EXPERT_TARGET not in lowered(cpu_kernels.expert_linear, xo, wo, experts)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -34,25 +36,26 @@ def generator(checkpoint) -> Generator:
     return Generator(checkpoint)
 
 
-@pytest.fixture(scope="module")
-def hf_generate(checkpoint):
-    """hf_generate(prompts) -> transformers' greedy 32 new tokens per prompt (left-padded batch)."""
+def hf_greedy(checkpoint: str, prompts: list[str]) -> list[list[int]]:
+    """transformers' greedy 32 new tokens per prompt (left-padded batch), in float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.generate(
+            **enc, do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+        )
+    return out[:, enc["input_ids"].shape[1] :].tolist()
 
-    def run(prompts: list[str]) -> list[list[int]]:
-        enc = tokenizer(prompts, return_tensors="pt", padding=True)
-        with torch.no_grad():
-            out = model.generate(
-                **enc, do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
-            )
-        return out[:, enc["input_ids"].shape[1] :].tolist()
 
-    return run
+@pytest.fixture(scope="module")
+def hf_generate(checkpoint):
+    """hf_generate(prompts) -> `hf_greedy` on the module's checkpoint."""
+    return functools.partial(hf_greedy, checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +77,30 @@ def test_greedy_matches_transformers_left_padded_batch(generator, hf_generate):
     results = generator.generate(PROMPTS, GREEDY_32)
     assert len({len(r.prompt_ids) for r in results}) == 3  # three different lengths, so real left padding
     assert [list(r.token_ids) for r in results] == hf_generate(PROMPTS)
+
+
+def test_bfloat16_checkpoint_on_bfloat16_weights_matches_transformers_in_float32(hf_checkpoint):
+    # The released checkpoints are bfloat16. float32 arithmetic on the bfloat16 weights (weight_dtype) is the float32
+    # model of such a checkpoint at half its weight memory: transformers in float32 (which upcasts the weights), in
+    # logits (teacher-forced through batch-1 decode steps: the matrix-vector and expert kernels) and token for token
+    # (the batch through bfloat16 panels).
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    d = hf_checkpoint(initializer_range=1.0, dtype="bfloat16")
+    generator = Generator(d, weight_dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(generator.model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    prompt, continuation = generator.encode(PROMPTS[0])[1][0], list(range(40, 56))
+    stepped = generator.teacher_forced_logits([prompt], [continuation])[0]
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 :].numpy()
+    assert np.max(np.abs(stepped - want)) <= 1e-5 * np.max(np.abs(want))
+    results = generator.generate(PROMPTS, GREEDY_32)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(generator.model, Packed))} <= {jnp.dtype(jnp.bfloat16)}
+    assert [list(r.token_ids) for r in results] == hf_greedy(d, PROMPTS)
+    with pytest.raises(GenerationError, match="weight_dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        Generator(d, weight_dtype="int8")
 
 
 def test_batch_equals_each_prompt_alone(generator, alone):
@@ -356,6 +383,7 @@ def test_cli_help_explains_every_flag():
         "--stop-token-id",
         "--ignore-eos",
         "--dtype",
+        "--weight-dtype",
         "--ssd-impl",
         "--prefill-chunk",
         "--max-cache-len",
@@ -417,6 +445,7 @@ def test_cli_json_output(checkpoint, generator):
     assert [r["text"] for r in doc["results"]] == [r.text for r in expected]
     assert [r["token_ids"] for r in doc["results"]] == [list(r.token_ids) for r in expected]
     assert doc["prefill_tokens_per_s"] > 0 and doc["decode_tokens_per_s"] > 0
+    assert doc["dtype"] == doc["weight_dtype"] == "float32"
 
 
 def test_cli_streams_a_single_prompt(checkpoint, generator):

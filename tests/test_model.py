@@ -282,6 +282,50 @@ def test_bfloat16_decode_runs_the_kernels_and_stays_close(tiny_checkpoint, batch
     assert rel_err(np.concatenate(logits, axis=1), f32) < 3e-2
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_checkpoint, batch):
+    # param_dtype bfloat16 under dtype float32: every product takes the weights as stored (the kernels widen them in
+    # registers; XLA converts them), so prefill and decode give the logits of the float32 model whose weights are
+    # the same bfloat16 values, from half the weight memory (packed copies included).
+    reference = load_model(tiny_checkpoint)
+    rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), nnx.state(reference, nnx.Param))
+    nnx.update(reference, rounded)
+    mixed = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(mixed, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    assert 2 * pack_for_decoding(mixed) == pack_for_decoding(reference) > 0
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, 300, (batch, 10)))
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    if cpu_kernels.available():
+        text = step.trace(mixed, ids[:, :1], Cache.init(mixed.cfg, batch, 16)).lower().as_text()
+        assert (cpu_kernels.MATVEC_TARGET if batch == 1 else cpu_kernels.TARGET) in text
+        assert cpu_kernels.EXPERT_TARGET in text
+    outs = []
+    for model in (reference, mixed):
+        out, cache = step(model, ids[:, :4], Cache.init(model.cfg, batch, 16))  # a prefill, then decode steps
+        logits = [np.asarray(out)]
+        for t in range(4, ids.shape[1]):
+            out, cache = step(model, ids[:, t : t + 1], cache)
+            logits.append(np.asarray(out))
+        outs.append(np.concatenate(logits, axis=1))
+    assert outs[1].dtype == np.float32
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="XLA alone converts every weight at the start of a step")
+def test_float32_prefill_on_bfloat16_weights_keeps_no_float32_copy_of_them(tiny_checkpoint):
+    # XLA's products of many rows take the weights in float32: each bfloat16 weight is widened right before its
+    # product (`cpu_kernels.cast_at_use`), so the compiled prefill needs no more temporary memory than the float32
+    # model's plus one widened weight (converted all at once, they would add all of the weights again in float32).
+    ids = jnp.ones((2, 64), jnp.int32)
+    forward = jax.jit(lambda model, ids: model(ids))
+    temp = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        model = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=dtype)
+        temp[dtype] = forward.trace(model, ids).lower().compile().memory_analysis().temp_size_in_bytes
+    widened = [4 * m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
+    assert temp[jnp.bfloat16] <= temp[jnp.float32] + max(widened) < temp[jnp.float32] + sum(widened) / 2
+
+
 # Published totals (ibm.com/granite/docs; granite4.md §5): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.
 @pytest.mark.parametrize(
     "name, billions, tol",

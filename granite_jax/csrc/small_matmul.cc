@@ -1,6 +1,7 @@
 // The products of a decoding step for the few rows of x, and of the routed experts (granite_jax/cpu_kernels.py):
 // three kernels. W is float32 or bfloat16 (each kernel a template over its element type, `load8` widening bfloat16
-// to float32 in registers, exactly); x, y and the arithmetic are float32.
+// to float32 in registers, exactly); x, y and the arithmetic are float32. A fourth, Widen, converts bfloat16 weights
+// for XLA's products of many rows (at the end of this file).
 //
 // MatVec, one row of x, W as it is, (N, K) row-major. XLA:CPU walks W a few rows at a time, so at K = 768 it
 // starts a new 3 KB stream every few rows and the hardware prefetchers, which learn one stream at a time, lag:
@@ -406,7 +407,35 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Widen: bfloat16 w as float32 (exactly), for XLA's products of many rows (prefill) on bfloat16 weights. `after` is
+// not read: it orders the conversion after the activations it multiplies, so that one converted weight at a time is
+// alive (XLA converts all of a step's weights at its start otherwise; cpu_kernels.cast_at_use).
+ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  (void)after;
+  if (w.element_type() != ffi::DataType::BF16 || y->element_count() != w.element_count()) {
+    return ffi::Error::InvalidArgument("widen: expected bfloat16 w and a float32 result of its shape");
+  }
+  const bf16* src = static_cast<const bf16*>(w.untyped_data());
+  float* dst = y->typed_data();
+  const int64_t n = w.element_count();
+  const int64_t chunk = granite::chunk_length(pool, n, 1 << 16, 2) / LANES * LANES;
+  granite::parallel_chunks(pool, (n + chunk - 1) / chunk, [=](int64_t c) {
+    const int64_t end = std::min(n, (c + 1) * chunk);
+    int64_t i = c * chunk;
+    for (; i + LANES <= end; i += LANES) _mm256_storeu_ps(dst + i, load8(src + i));
+    for (; i < end; ++i) dst[i] = to_float(src[i]);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_widen, Widen,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_expert_matvec, ExpertMatvec,
                               ffi::Ffi::Bind()

@@ -95,9 +95,9 @@ def with_num_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     return cfg.replace(layer_types=tuple(ATTENTION if i in at else MAMBA for i in range(n)))
 
 
-def random_model(cfg: ModelConfig, *, dtype=jnp.float32, seed: int = 0) -> Granite:
-    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`."""
-    return Granite(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+def random_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, seed: int = 0) -> Granite:
+    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`, in `param_dtype` (None: dtype)."""
+    return Granite(cfg, dtype=dtype, param_dtype=param_dtype or dtype, rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +115,26 @@ class ModelSpec:
         layers = "" if self.num_layers is None else f", {self.num_layers} layers"
         return f"random weights of {self.name} (seed {self.seed}{layers})"
 
-    def load(self, *, dtype: str = "float32", ssd_impl: str = "xla", progress: bool = False) -> Granite:
-        if dtype not in DTYPES:
-            raise ExperimentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    def load(
+        self, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla", progress: bool = False
+    ) -> Granite:
+        """The model, computing in `dtype` on weights kept in `weight_dtype` (None: dtype)."""
+        weight_dtype = weight_dtype or dtype
+        for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
+            if value not in DTYPES:
+                raise ExperimentError(f"{name} {value!r} is not one of {', '.join(DTYPES)}")
+        dtypes = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype])
         check_ssd_impl(ssd_impl)
         if self.checkpoint:
             if self.num_layers is not None:
                 raise ExperimentError("model.num_layers applies to random weights only; unset it or model.checkpoint")
             if not os.path.isdir(self.checkpoint):
                 raise ExperimentError(f"{self.checkpoint}: model directory not found")
-            return load_model(self.checkpoint, dtype=DTYPES[dtype], ssd_impl=ssd_impl, progress=progress)
+            return load_model(self.checkpoint, **dtypes, ssd_impl=ssd_impl, progress=progress)
         if not self.name:
             raise ExperimentError("no model: set a checkpoint directory or the name of an architecture")
         cfg = model_config(self.name, self.num_layers).replace(ssd_impl=ssd_impl)
-        return random_model(cfg, dtype=DTYPES[dtype], seed=self.seed)
+        return random_model(cfg, **dtypes, seed=self.seed)
 
 
 def model_summary(model: Granite) -> dict[str, Any]:
