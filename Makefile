@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 lint: install
 	$(BIN)/ruff check .
 
+# Two pytest workers (pytest-xdist): most of the suite's time is single-threaded compilation and script start-up.
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 demo: install
 	$(BIN)/python -m granite_jax.testing out/tiny-random
