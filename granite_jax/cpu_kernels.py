@@ -104,7 +104,7 @@ def _xla_dot(x: Array, w: Array) -> Array:
     return dot(x, cast_at_use(w, x))
 
 
-def _tangent_dot(x: Array, w: Array) -> Array:  # in tangents: XLA's cast, which JAX transposes (the kernel's it cannot)
+def _tangent_dot(x: Array, w: Array) -> Array:  # for the JVPs: XLA's cast, which JAX can transpose (`_widen` it cannot)
     return dot(x, w.astype(x.dtype))
 
 
