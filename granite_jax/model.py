@@ -418,7 +418,7 @@ class Granite(nnx.Module):
     """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype, self.param_dtype = cfg, dtype, param_dtype
+        self.cfg, self.dtype = cfg, dtype
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
@@ -528,16 +528,20 @@ def pack_for_decoding(model: Granite) -> int:
 
 def packing_bytes(model: Granite) -> int:
     """About what `pack_for_decoding` would add (before padding to whole panels)."""
-    weights = [linear.weight for linear in _linears(model)]
-    if model.lm_head is None:
-        weights.append(model.embed_tokens.embedding)
-    return sum(w.dtype.itemsize * math.prod(w.shape) for w in weights)
+    return sum(w.dtype.itemsize * math.prod(w.shape) for w in _packed_weights(model))
 
 
 def packable(model: Granite) -> bool:
-    """Whether the panel kernel takes this model's products: activations and weights float32 or bfloat16."""
-    dtypes = {jnp.dtype(model.dtype), jnp.dtype(model.param_dtype)}
+    """Whether the panel kernel takes this model's products: activations and the weights it would pack float32 or
+    bfloat16."""
+    dtypes = {jnp.dtype(model.dtype), *(w.dtype for w in _packed_weights(model))}
     return dtypes <= set(cpu_kernels.KERNEL_DTYPES)
+
+
+def _packed_weights(model: Granite) -> list[nnx.Param]:
+    """The weights `pack_for_decoding` copies: every `Linear`'s, and a tied output embedding."""
+    weights = [linear.weight for linear in _linears(model)]
+    return weights + ([model.embed_tokens.embedding] if model.lm_head is None else [])
 
 
 def _linears(model: Granite) -> list[Linear]:
@@ -547,6 +551,6 @@ def _linears(model: Granite) -> list[Linear]:
 def with_ssd_impl(model: Granite, impl: str) -> Granite:
     """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
     cfg = model.cfg.replace(ssd_impl=impl)
-    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, param_dtype=model.param_dtype, rngs=nnx.Rngs(0)))
-    nnx.update(other, nnx.state(model, nnx.Param))
+    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

@@ -213,6 +213,7 @@ def test_packed_weights_decode_like_the_parameters(hf_checkpoint, variant, tmp_p
 
 def test_only_float32_and_bfloat16_models_are_packed(tiny_checkpoint):
     assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.float16)) == 0
+    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.float16)) == 0
     model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
     packed = pack_for_decoding(model)
     assert packed > 0 and all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model, Packed)))
@@ -292,6 +293,8 @@ def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_
     nnx.update(reference, rounded)
     mixed = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(nnx.state(mixed, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    naive = nnx.state(with_ssd_impl(mixed, "naive"), nnx.Param)  # shares the weights as they are
+    assert {x.dtype for x in jax.tree.leaves(naive)} == {jnp.dtype(jnp.bfloat16)}
     assert 2 * pack_for_decoding(mixed) == pack_for_decoding(reference) > 0
     ids = jnp.asarray(np.random.default_rng(4).integers(3, 300, (batch, 10)))
     step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])

@@ -410,8 +410,7 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 // Widen: bfloat16 w as float32 (exactly), for XLA's products of many rows (prefill) on bfloat16 weights. `after` is
 // not read: it orders the conversion after the activations it multiplies, so that one converted weight at a time is
 // alive (XLA converts all of a step's weights at its start otherwise; cpu_kernels.cast_at_use).
-ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
-  (void)after;
+ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   if (w.element_type() != ffi::DataType::BF16 || y->element_count() != w.element_count()) {
     return ffi::Error::InvalidArgument("widen: expected bfloat16 w and a float32 result of its shape");
   }
