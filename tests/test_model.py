@@ -12,6 +12,7 @@ import torch
 from flax import nnx
 
 from granite_jax import cpu_kernels
+from granite_jax import model as granite_model
 from granite_jax.checkpoint import save_checkpoint
 from granite_jax.model import (
     Cache,
@@ -27,6 +28,7 @@ from granite_jax.model import (
 )
 from granite_jax.params import load_model
 from granite_jax.presets import released_config
+from granite_jax.ssd import ssd
 
 RTOL = 1e-5
 # One compiled program per (model, shape): op-by-op dispatch of a whole model is far slower than compiling it.
@@ -258,6 +260,21 @@ def test_bfloat16_model_is_close_and_keeps_fp32_state(tiny_checkpoint):
     logits, cache = prefill(model, ids, Cache.init(model.cfg, 2, 48, jnp.bfloat16))
     assert logits.dtype == jnp.bfloat16 and cache.layers[0].ssm.dtype == jnp.float32
     assert rel_err(np.asarray(logits, np.float32), f32) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ssd_gets_x_b_c_in_the_model_dtype(tiny_checkpoint, dtype, monkeypatch):
+    # As transformers' conv1d returns them. Float32 x, B, C from a bfloat16 model sent the Pallas kernels down their
+    # float32 (3xTF32) path: a whole h-tiny Mamba layer ran 0.56x the "xla" layer on an H200 (docs/kernels.md).
+    seen = []
+
+    def spy(x, dt, A, B, C, D, **kwargs):
+        seen.append((x.dtype, B.dtype, C.dtype, dt.dtype))
+        return ssd(x, dt, A, B, C, D, **kwargs)
+
+    monkeypatch.setattr(granite_model, "ssd", spy)
+    load_model(tiny_checkpoint, dtype=dtype)(jnp.ones((1, 20), jnp.int32))
+    assert seen and set(seen) == {(jnp.dtype(dtype),) * 3 + (jnp.dtype(jnp.float32),)}
 
 
 @pytest.mark.parametrize("batch", [1, 3])
