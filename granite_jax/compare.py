@@ -463,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, help="with --config: this many layers, same share of attention layers")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both models' dtype")
+    p.add_argument(
+        "--weight-dtype",
+        choices=("float32", "bfloat16"),
+        help="granite-jax's weights (default: --dtype); bfloat16 with --dtype float32 computes in float32 on the "
+        "weights as stored, half the memory; transformers still runs in --dtype",
+    )
     p.add_argument("--ssd-impl", default="xla", choices=("xla", "naive", "pallas"), help="granite-jax SSD (xla)")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes for the speed rows (1,8)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row for the speed rows (512)")
@@ -531,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
         _log(log, f"loading {spec.describe()} into granite-jax and transformers")
         with torch_matmul_precision(args.dtype):
-            pair = load_pair(spec, dtype=args.dtype, ssd_impl=args.ssd_impl)
+            pair = load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype, ssd_impl=args.ssd_impl)
             results = run_compare(pair, options, log)
     except (ExperimentError, CheckpointError, ConfigError) as e:
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)

@@ -54,7 +54,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     "Override any field with --config.SECTION.FIELD=VALUE: --config.model.checkpoint=DIR (HF or orbax), "
     "--config.model.name=granite-4.0-h-350m (random weights), --config.model.num_layers=N, --config.workload.batch=N, "
     "--config.workload.seq_len=N, --config.workload.seq_lens='(256,1024)', --config.workload.new_tokens=N, "
-    "--config.workload.dtype=bfloat16, --config.workload.ssd_impl=naive|xla|pallas, --config.workload.rewriter, "
+    "--config.workload.dtype=bfloat16, --config.workload.weight_dtype=bfloat16 (weights only, under dtype float32), "
+    "--config.workload.ssd_impl=naive|xla|pallas, --config.workload.rewriter, "
     "--config.measure.repeats=N, --config.output_dir=DIR. See docs/experiments.md.",
     lock_config=True,
 )

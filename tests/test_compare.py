@@ -54,6 +54,18 @@ def test_speed_rows_and_outputs(compared, capsys):
     assert "decode tok/s (batch 1, 4 new)" in text
 
 
+def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path):
+    # --weight-dtype bfloat16: granite-jax keeps the random weights in bfloat16 and computes in float32; transformers
+    # gets the same values written in float32, so both run one float32 model.
+    out = tmp_path / "out"
+    argv = ["--config", "tiny", "--weight-dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
+    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "8"]) == 0
+    results = json.loads((out / "compare.json").read_text())
+    assert results["dtype"] == "float32" and results["summary"]["weight_dtype"] == "bfloat16"
+    assert all(row["rel_err"] <= 1e-5 for row in results["layer_errors"]), results["layer_errors"]
+    assert results["greedy"]["fraction"] == 1.0
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert compare.main(["--model", str(tmp_path / "missing"), "--no-speed", "--quiet"]) == 2
     expected = f"granite_jax.compare: error: {tmp_path / 'missing'}: model directory not found"

@@ -116,10 +116,12 @@ def test_rewrite_quick_run(tmp_path):
     assert open(os.path.join(out, "rewrite.png"), "rb").read(8) == PNG
 
 
-def test_throughput_quick_run_without_transformers(tmp_path):
+@pytest.mark.parametrize("weight_dtype", [None, "bfloat16"])
+def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
     config = load("configs/experiments/throughput.py", "quick")
     config.output_dir = str(tmp_path / "out")
     config.measure.transformers = False
+    config.workload.weight_dtype = weight_dtype
     out = experiment.run(config)
     with open(os.path.join(out, "results.json")) as f:
         results = json.load(f)
@@ -127,12 +129,16 @@ def test_throughput_quick_run_without_transformers(tmp_path):
     assert [r["batch"] for r in rows] == [1, 2] and all(r["jax_decode_tok_s"] > 0 for r in rows)
     assert "hf_decode_tok_s" not in rows[0]
     assert open(os.path.join(out, "throughput.png"), "rb").read(8) == PNG
-    # The floor: the float32 weights a token reads (all but the experts it is not routed to) at the best bandwidth.
-    assert summary["param_bytes"] == 4 * results["model"]["num_params"]
+    # The floor: the weights a token reads (all but the experts it is not routed to) at the best bandwidth, in the
+    # weights' dtype (float32 arithmetic on bfloat16 weights reads two bytes per parameter).
+    width = 2 if weight_dtype == "bfloat16" else 4
+    assert results["model"]["dtype"] == "float32" and results["model"]["weight_dtype"] == (weight_dtype or "float32")
+    assert results["config"]["workload"]["weight_dtype"] == weight_dtype
+    assert summary["param_bytes"] == width * results["model"]["num_params"]
     cfg = model_config("tiny")
     experts_per_layer = cfg.num_local_experts * 3 * cfg.intermediate_size * cfg.hidden_size  # (gate, up), down
     unread = cfg.num_layers * experts_per_layer * (1 - cfg.num_experts_per_tok / cfg.num_local_experts)
-    assert unread > 0 and summary["bytes_read_per_token"] == pytest.approx(summary["param_bytes"] - 4 * unread)
+    assert unread > 0 and summary["bytes_read_per_token"] == pytest.approx(summary["param_bytes"] - width * unread)
     best = max(summary["bandwidth_gb_s"].values())  # every probe, the kernels' own product where they run
     assert {"xla_matvec_rows", "numpy_matvec"} <= set(summary["bandwidth_gb_s"])
     assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == cpu_kernels.available()
@@ -198,6 +204,10 @@ def test_bad_workload_values_rejected(tmp_path):
     config.workload.dtype = "int8"
     with pytest.raises(ExperimentError, match="workload.dtype: 'int8' is not one of"):
         experiment.run(config)
+    config = load("configs/experiments/throughput.py", "quick")
+    config.workload.weight_dtype = "int4"
+    with pytest.raises(ExperimentError, match="workload.weight_dtype: 'int4' is not one of"):
+        experiment.run(config)
     config = load("configs/experiments/parity.py", "quick")
     config.model.checkpoint = str(tmp_path / "missing")
     config.model.num_layers = 2
@@ -245,5 +255,5 @@ def test_unknown_field_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
-        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl)"
+        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, weight_dtype)"
     ]

@@ -147,6 +147,7 @@ def model_summary(model: Granite) -> dict[str, Any]:
         hidden_size=cfg.hidden_size,
         num_local_experts=cfg.num_local_experts,
         dtype=str(jnp.dtype(model.dtype)),
+        weight_dtype=str(model.embed_tokens.embedding[...].dtype),
         ssd_impl=cfg.ssd_impl,
     )
 
@@ -295,6 +296,9 @@ def default_config(experiment: str):
             seq_lens=config_dict.placeholder(tuple),
             new_tokens=32,
             dtype="float32",
+            # granite-jax's weights (None: dtype); bfloat16 under dtype float32 computes in float32 on the weights
+            # as stored (half the weight memory; transformers still runs in dtype)
+            weight_dtype=config_dict.placeholder(str),
             ssd_impl="xla",
             rewriter=False,  # run granite-jax's forward through rewriter.rewrite
         )
@@ -324,6 +328,8 @@ def check_workload(workload) -> None:
 
     if workload.dtype not in DTYPES:
         raise ExperimentError(f"workload.dtype: {workload.dtype!r} is not one of {', '.join(DTYPES)}")
+    if workload.weight_dtype is not None and workload.weight_dtype not in DTYPES:
+        raise ExperimentError(f"workload.weight_dtype: {workload.weight_dtype!r} is not one of {', '.join(DTYPES)}")
     if workload.ssd_impl not in SSD_IMPLS:
         raise ExperimentError(f"workload.ssd_impl: {workload.ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
     for name in ("batch", "seq_len", "new_tokens"):

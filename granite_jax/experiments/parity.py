@@ -19,7 +19,7 @@ def run(config) -> Result:
     spec = model_spec(config)
     with tqdm(total=2, desc="parity", unit="step") as bar:
         bar.set_postfix_str("loading both models")
-        pair = compare.load_pair(spec, dtype=w.dtype, ssd_impl=w.ssd_impl)
+        pair = compare.load_pair(spec, dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
         bar.update()
         bar.set_postfix_str("forward")
         tokens = random_tokens(pair.jax.cfg.vocab_size, w.batch, w.seq_len, config.model.seed)
@@ -47,7 +47,14 @@ def run(config) -> Result:
         ],
         plots={"parity.png": lambda path: plot(rows, w.dtype, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
-        workload=dict(batch=w.batch, seq_len=w.seq_len, dtype=w.dtype, ssd_impl=w.ssd_impl, rewriter=w.rewriter),
+        workload=dict(
+            batch=w.batch,
+            seq_len=w.seq_len,
+            dtype=w.dtype,
+            weight_dtype=w.weight_dtype or w.dtype,
+            ssd_impl=w.ssd_impl,
+            rewriter=w.rewriter,
+        ),
     )
 
 

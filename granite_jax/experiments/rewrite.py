@@ -53,6 +53,8 @@ def run(config) -> Result:
     w, m = config.workload, config.measure
     if w.dtype != "float32":
         raise ExperimentError("workload.dtype: the rewrite benchmark runs the SSD in float32 only")
+    if w.weight_dtype not in (None, "float32"):
+        raise ExperimentError("workload.weight_dtype: the rewrite benchmark runs the SSD alone, with no weights")
     cfg = load_config_of(config)
     bench = benchmark_module()
     args = benchmark_args(cfg, w, m)

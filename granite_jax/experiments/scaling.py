@@ -35,7 +35,7 @@ from granite_jax.model import Granite, Positions
 def run(config) -> Result:
     w, m = config.workload, config.measure
     spec = model_spec(config)
-    model = spec.load(dtype=w.dtype, ssd_impl=w.ssd_impl)
+    model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
     lengths = sweep_lengths(w.seq_lens, w.seq_len)
     rows = []
     for length in (bar := tqdm(lengths, desc="scaling", unit="length")):
@@ -55,7 +55,14 @@ def run(config) -> Result:
         ],
         plots={"scaling.png": lambda path: plot(rows, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(model)),
-        workload=dict(batch=w.batch, seq_lens=lengths, dtype=w.dtype, ssd_impl=w.ssd_impl, rewriter=w.rewriter),
+        workload=dict(
+            batch=w.batch,
+            seq_lens=lengths,
+            dtype=w.dtype,
+            weight_dtype=w.weight_dtype or w.dtype,
+            ssd_impl=w.ssd_impl,
+            rewriter=w.rewriter,
+        ),
     )
 
 

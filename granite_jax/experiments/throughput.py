@@ -55,9 +55,10 @@ def run(config) -> Result:
     spec = model_spec(config)
     set_torch_threads(m.get("torch_threads"), "measure.torch_threads")
     if m.transformers:
-        pair = compare.load_pair(spec, dtype=w.dtype, ssd_impl=w.ssd_impl)
+        pair = compare.load_pair(spec, dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
     else:
-        pair = compare.Pair(spec.load(dtype=w.dtype, ssd_impl=w.ssd_impl), None, w.dtype, spec.describe())
+        model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
+        pair = compare.Pair(model, None, w.dtype, spec.describe())
     bandwidth = memory_bandwidth(m.floor_probe_mib << 20) if m.floor_probe_mib > 0 else None
     speeds = []
     for batch in (bar := tqdm(batch_sizes, desc="throughput", unit="batch")):
@@ -101,7 +102,12 @@ def run(config) -> Result:
         plots={"throughput.png": lambda path: plot(speeds, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
         workload=dict(
-            batch_sizes=batch_sizes, seq_len=w.seq_len, new_tokens=w.new_tokens, dtype=w.dtype, ssd_impl=w.ssd_impl
+            batch_sizes=batch_sizes,
+            seq_len=w.seq_len,
+            new_tokens=w.new_tokens,
+            dtype=w.dtype,
+            weight_dtype=w.weight_dtype or w.dtype,
+            ssd_impl=w.ssd_impl,
         ),
     )
 
