@@ -453,6 +453,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-gbs", type=float, default=H200["peak_gbs"], help="HBM ceiling in GB/s (H200: 4800)")
     p.add_argument("--out", help="write the JSON results here (also printed at the end)")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU with interpreted kernels (script check)")
+    p.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (beside it); no GPU")
     return p.parse_args(argv)
 
 
@@ -480,6 +481,37 @@ def speedups(results: list[dict]) -> list[dict]:
     return rows
 
 
+def plot(summary: dict, path: str) -> None:
+    """Time per call against L, log-log, per implementation: the SSD and one whole Mamba layer, with the floor."""
+    from granite_jax.experiments.common import matplotlib_pyplot
+
+    plt = matplotlib_pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, kind, name in zip(axes, ("ssd", "layer"), ("SSD", "one Mamba layer")):
+        rows = [r for r in summary["results"] if r["kind"] == kind and "us" in r]
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            ax.plot(*zip(*sorted((r["L"], r["us"]) for r in rows if r["impl"] == impl)), marker="o", label=impl)
+        floors = {}
+        for r in rows:
+            floors[r["L"]] = min(floors.get(r["L"], math.inf), r["floor_us"])
+        if floors:
+            ax.plot(*zip(*sorted(floors.items())), "k--", label="floor (HBM or FLOPs)")
+        ax.set(yscale="log", xlabel="sequence length L", ylabel="microseconds per call", title=name)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    env = summary["environment"]
+    title = f"{env['device_kind']}, {env['date']}, {summary['dtype']} inputs, batch {summary['batch']}"
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def png_path(out: str) -> str:
+    return os.path.splitext(out)[0] + ".png"
+
+
 def check_out_path(out: str | None) -> str | None:
     """Refuse an --out path that cannot be written before any work (a late failure would lose the run)."""
     if not out:
@@ -497,6 +529,8 @@ def check_out_path(out: str | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     if (problem := check_out_path(args.out)) is not None:
         print(problem, file=sys.stderr)
         return 2
@@ -551,7 +585,24 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
         print(f"wrote {args.out}")
+        try:
+            plot(summary, png_path(args.out))
+            print(f"wrote {png_path(args.out)}")
+        except Exception as e:  # noqa: BLE001 - the measurements are saved; a missing plot must not fail the run
+            print(f"no plot ({type(e).__name__}: {e}); draw it later with --replot {args.out}", file=sys.stderr)
     return 0 if summary["checks_ok"] else 1
+
+
+def replot(path: str) -> int:
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+        plot(summary, png_path(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"--replot {path}: cannot draw it ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    print(f"wrote {png_path(path)}")
+    return 0
 
 
 def _interpret():

@@ -12,6 +12,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_ssd.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def run(*args: str, cwd: str) -> subprocess.CompletedProcess:
@@ -31,6 +32,14 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
     for r in doc["speedups"]:  # each pairs a kernel with xla timed at the same section and size
         assert r["us"] == timed[r["kind"], r["size"], r["impl"]] and r["xla_us"] == timed[r["kind"], r["size"], "xla"]
         assert r["speedup_vs_xla"] == pytest.approx(r["xla_us"] / r["us"])
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == PNG  # the chart beside the JSON
+    png.unlink()
+    proc = run("--replot", str(out), cwd=str(tmp_path))  # redrawn from the JSON alone
+    assert proc.returncode == 0 and png.read_bytes()[:8] == PNG, proc.stderr[-3000:]
+    (tmp_path / "bad.json").write_text("{}")
+    proc = run("--replot", str(tmp_path / "bad.json"), cwd=str(tmp_path))
+    assert proc.returncode == 2 and "bad.json: cannot draw it (KeyError" in proc.stderr, proc.stderr
 
 
 def test_unwritable_out_is_refused_before_any_work(tmp_path):
