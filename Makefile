@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # Two pytest workers (pytest-xdist): most of the suite's time is single-threaded compilation and script start-up.
 test: lint
