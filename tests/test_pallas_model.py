@@ -1,18 +1,23 @@
 """The model with ssd_impl="pallas" (kernels interpreted on CPU) equals ssd_impl="xla" on a tiny config.
 
 Covers the prefill kernel (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
-prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache).
+prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache). Also: the
+Generator's prefill and decode steps lower for CUDA with no CPU kernel left in them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import pallas_kernels
 from granite_jax.config import ModelConfig
+from granite_jax.generate import SamplingConfig, _decode_step, _prefill_segment, _split
 from granite_jax.model import Cache, Granite, with_ssd_impl
 
 TOLERANCE = 1e-4  # float32 throughout: relative (Frobenius) error of the logits
@@ -68,3 +73,31 @@ def test_pallas_model_equals_xla():
         err = _rel_err(g, w)
         print(f"{name}: {err:.1e}")
         assert err <= TOLERANCE, name
+
+
+@pytest.mark.parametrize(
+    "ssd_impl, dtype, weight_dtype",
+    [("pallas", jnp.bfloat16, jnp.bfloat16), ("pallas", jnp.float32, jnp.bfloat16), ("xla", jnp.float32, jnp.float32)],
+)
+def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
+    # The Generator's own prefill and decode steps, on a hybrid MoE model, traced for CUDA on this CPU-only machine:
+    # every CPU kernel must give way to its XLA version (`lax.platform_dependent`), and with "pallas" the SSD runs as
+    # Triton calls (two per Mamba layer in prefill, one in decode).
+    cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2, ssd_impl=ssd_impl)
+    graphdef, treedef, weights = _split(Granite(cfg, dtype=dtype, param_dtype=weight_dtype, rngs=nnx.Rngs(0)))
+    b, length = 1, 40  # one row: the decode products that the matrix-vector kernel takes on CPUs
+    cache = jax.eval_shape(lambda: Cache.init(cfg, b, 64, dtype))
+    params = SamplingConfig(temperature=0.7, top_k=5).device_params()
+    step = jnp.int32(1)
+    texts = {}
+    with pallas_kernels.cuda_lowering():
+        for name, fn, tokens in (
+            ("prefill", _prefill_segment, jnp.zeros((b, length), jnp.int32)),
+            ("decode", _decode_step, jnp.zeros((b,), jnp.int32)),
+        ):
+            traced = jax.jit(functools.partial(fn, graphdef, treedef)).trace(weights, cache, tokens, params, step)
+            texts[name] = traced.lower(lowering_platforms=("cuda",)).as_text()
+    mamba_layers = cfg.layer_types.count("mamba")
+    for name, per_layer in (("prefill", 2), ("decode", 1)):
+        assert "granite_" not in texts[name], f"{name}: a CPU kernel in the CUDA program"
+        assert texts[name].count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
