@@ -19,9 +19,19 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Deviceless compilation for an H200 (pallas_kernels.aot: Triton and ptxas, no GPU) needs the CUDA PJRT plugin of the
+# installed jax. It stays out of the venv: there, every process would try to start CUDA and print a traceback.
+AOT := .aot
+$(AOT)/.installed: $(VENV)/.installed
+	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
+	$(BIN)/pip install -q --no-deps --target $(AOT) "jax-cuda12-pjrt==$$v" "jax-cuda12-plugin==$$v"
+	touch $@
+
 # Two pytest workers (pytest-xdist): most of the suite's time is single-threaded compilation and script start-up.
-test: lint
-	$(BIN)/python -m pytest -q -n 2
+# Then the `aot` tests, with the plugin, on the CPU platform.
+test: lint $(AOT)/.installed
+	$(BIN)/python -m pytest -q -n 2 -m "not aot"
+	JAX_PLATFORMS=cpu PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -m aot
 
 demo: install
 	$(BIN)/python -m granite_jax.testing out/tiny-random

@@ -97,6 +97,8 @@ def gpu_device(gpu: str = "h200") -> Any:
     """A compile-only CUDA device for `gpu` ("h100", "h200" or "a100")."""
     from jax._src import xla_bridge
 
+    if shutil.which("ptxas") is None:
+        raise AotUnavailableError("deviceless CUDA compilation needs ptxas (the CUDA toolkit's assembler) on PATH")
     try:
         topology = xla_bridge.make_pjrt_topology("cuda", "", topology="1x1x1", target_config=TARGETS[gpu])
     except (RuntimeError, ValueError, KeyError) as e:
@@ -107,14 +109,18 @@ def gpu_device(gpu: str = "h200") -> Any:
     return topology._make_compile_only_devices()[0]
 
 
-def compile_for_gpu(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200"):
-    """Lower and compile `fn(*args)` (shape structs) for `gpu`; run it inside `pallas_kernels.cuda_lowering()`.
+def compile_for_gpu(fn, *args, gpu: str = "h200"):
+    """Lower and compile `fn(*args)` for `gpu`; run it inside `pallas_kernels.cuda_lowering()`. `args` are pytrees
+    of shape structs (or arrays: only their shapes and dtypes are used).
 
     Returns the compiled executable (for `.as_text()`, `.cost_analysis()`); raises on any lowering or compile error.
     """
+    return jax.jit(fn).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",)).compile()
+
+
+def _placed(args, gpu: str):
     sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    return jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
 
 
 # ---------------------------------------------------------------------------------------------- static report
@@ -127,9 +133,7 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
     A static signal for choosing tile sizes without a GPU: occupancy follows from registers x threads and shared memory,
     spills are a red flag, and the grid shows how many CTAs there are to spread over the SMs.
     """
-    sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
-    placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    lowered = jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(fn).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
     arch = "sm_90a" if gpu in ("h100", "h200") else "sm_80"
     with tempfile.TemporaryDirectory() as dump:
         lowered.compile(compiler_options={"xla_dump_to": dump})

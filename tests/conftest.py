@@ -31,6 +31,18 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def h200_target():
+    """A compile-only H200 (`pallas_kernels.aot`) for the `aot` tests; skips where deviceless CUDA compilation is
+    unavailable (`make test` runs them with the CUDA PJRT plugin)."""
+    from pallas_kernels import aot
+
+    try:
+        return aot.gpu_device("h200")
+    except aot.AotUnavailableError as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(hf_checkpoint) -> str:
     """The default tiny MoE hybrid (granite_jax.testing.TINY_CONFIG)."""

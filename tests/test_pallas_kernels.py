@@ -297,22 +297,12 @@ def test_kernels_lower_for_cuda(dims, dtype):
 # ---------------------------------------------------------------------------------------------- deviceless compile
 
 
-def _aot_device():
-    from pallas_kernels import aot
-
-    try:
-        return aot.gpu_device("h200")
-    except aot.AotUnavailableError as e:
-        pytest.skip(str(e))
-
-
-@pytest.mark.slow
+@pytest.mark.aot
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_kernels_compile_for_h200_at_h_tiny_dims(dtype):
+def test_kernels_compile_for_h200_at_h_tiny_dims(dtype, h200_target):
     """Triton and ptxas accept the kernels for sm_90 (shared memory, registers); needs the CUDA PJRT plugin."""
     from pallas_kernels import aot
 
-    _aot_device()
     d = dict(b=1, L=8192, **H_TINY)
     chunk = d.pop("chunk")
     with pallas_kernels.cuda_lowering():

@@ -19,6 +19,7 @@ import pallas_kernels
 from granite_jax.config import ModelConfig
 from granite_jax.generate import SamplingConfig, _decode_step, _prefill_segment, _split
 from granite_jax.model import Cache, Granite, with_ssd_impl
+from granite_jax.presets import released_config
 
 TOLERANCE = 1e-4  # float32 throughout: relative (Frobenius) error of the logits
 TINY = ModelConfig(
@@ -101,3 +102,24 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
     for name, per_layer in (("prefill", 2), ("decode", 1)):
         assert "granite_" not in texts[name], f"{name}: a CPU kernel in the CUDA program"
         assert texts[name].count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32-on-bf16"])
+def test_generation_steps_compile_for_h200(dtype, h200_target):
+    # Beyond lowering: XLA's GPU compiler, Triton and ptxas accept the Generator's steps at h-tiny's shape (its first
+    # six layers: five Mamba, one attention, all MoE) with the Pallas SSD, for an 8K-token cache.
+    from pallas_kernels import aot
+
+    cfg = released_config("granite-4.0-h-tiny", ssd_impl="pallas")
+    cfg = cfg.replace(layer_types=cfg.layer_types[:6])
+    assert set(cfg.layer_types) == {"mamba", "attention"} and cfg.num_local_experts > 0
+    model = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, treedef, weights = _split(model)
+    cache = jax.eval_shape(lambda: Cache.init(cfg, 1, 8192, dtype))
+    params = jax.eval_shape(lambda: SamplingConfig(temperature=0.7, top_k=5).device_params())
+    S = jax.ShapeDtypeStruct
+    step = S((), jnp.int32)
+    with pallas_kernels.cuda_lowering():
+        for fn, tokens in ((_prefill_segment, S((1, 4096), jnp.int32)), (_decode_step, S((1,), jnp.int32))):
+            aot.compile_for_gpu(functools.partial(fn, graphdef, treedef), weights, cache, tokens, params, step)
