@@ -11,6 +11,7 @@
    "pallas_y16" (y in the input dtype, the traffic the roofline assumes). Calls are timed in back-to-back batches.
 3. Times one whole Mamba layer (`granite_jax.model.MambaMixer`, in_proj -> conv -> SSD -> gated norm -> out_proj) with
    each SSD implementation, and the decode update at a few batch sizes.
+   The Pallas prefill's two kernels (state walk, outputs) are also timed apart (--no-split leaves that out).
 4. Optionally (--sweep) times a few `PrefillConfig` tilings of the Pallas prefill at one length.
 
 Every timing prints time, achieved TFLOP/s and GB/s, and the fraction of the ceilings (H200 by default: 4.8 TB/s,
@@ -297,6 +298,40 @@ def bench_ssd(d: Dims, dtype, ceilings: dict, min_seconds: float, naive: bool, s
     return results
 
 
+def bench_split(d: Dims, dtype, min_seconds: float) -> list[dict]:
+    """The Pallas prefill's two kernels timed apart: the sequential state walk, then the outputs from its entering
+    states (the module's private stages, called as `ssd_prefill` calls them, with the default tiling)."""
+    import pallas_kernels.prefill as prefill
+
+    print(f"split: the Pallas prefill's two kernels at L={d.L}")
+    x, dt, A, B, C, D = ssd_inputs(d, dtype)
+    cfg, chunk = prefill.PrefillConfig(), prefill.kernel_chunk(d.chunk)
+    dt_args = dict(bias=None, softplus=False, limit=(0.0, math.inf))
+    states = jax.jit(lambda x, dt, A, B: prefill._chunk_states(x, dt, A, B, None, chunk, cfg, **dt_args))
+    outputs = jax.jit(lambda *args: prefill._chunk_outputs(*args, chunk, cfg, jnp.float32))
+    results, times = [], {}
+    try:
+        states_in, _, dt_rows, decay_rows = states(x, dt, A, B)
+        for name, fn, args in (
+            ("states", states, (x, dt, A, B)),
+            ("outputs", outputs, (x, B, C, D, dt_rows, decay_rows, states_in)),
+        ):
+            if out_of_time():
+                results.append(skipped("split", f"pallas_{name}", L=d.L))
+                continue
+            timing = time_fn(fn, *args, min_seconds=min_seconds)
+            times[name] = timing.median
+            rec = dict(kind="split", impl=f"pallas_{name}", L=d.L, us=timing.median * 1e6, best_us=timing.best * 1e6)
+            results.append(rec | dict(first_call_s=timing.first_call))
+            print(f"  split   {'pallas_' + name:30s} {rec['us']:10.1f} us", flush=True)
+    except Exception as e:  # noqa: BLE001
+        results.append(failure("split", "pallas", e, L=d.L))
+    if len(times) == 2:
+        share = times["states"] / (times["states"] + times["outputs"])
+        print(f"  split   state walk's share of the two: {share:.0%}", flush=True)
+    return results
+
+
 def bench_sweep(d: Dims, dtype, ceilings: dict, min_seconds: float) -> list[dict]:
     import pallas_kernels
 
@@ -445,6 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budget-seconds", type=float, default=540, help="skip what is left after this many seconds")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
+    p.add_argument("--no-split", action="store_true", help="skip timing the Pallas prefill's two kernels apart")
     p.add_argument("--sweep", action="store_true", help="also time a few PrefillConfig tilings at --sweep-len")
     p.add_argument("--sweep-len", type=int, default=8192)
     p.add_argument("--decode-batches", default="1,64", help="batch sizes for the decode update timings")
@@ -560,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
             d = Dims(b=args.batch, L=L, **dims)
             naive = L <= args.naive_max_len
             results += bench_ssd(d, dtype, ceilings, args.min_seconds, naive, skip)
+            if "pallas" not in skip and not args.no_split:
+                results += bench_split(d, dtype, args.min_seconds)
             if not args.no_layer:
                 results += bench_layer(d, dtype, ceilings, args.min_seconds, args.smoke, naive, skip)
         batches = [int(v) for v in args.decode_batches.split(",")]
