@@ -32,6 +32,8 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
     for r in doc["speedups"]:  # each pairs a kernel with xla timed at the same section and size
         assert r["us"] == timed[r["kind"], r["size"], r["impl"]] and r["xla_us"] == timed[r["kind"], r["size"], "xla"]
         assert r["speedup_vs_xla"] == pytest.approx(r["xla_us"] / r["us"])
+    assert "naive" not in {r["impl"] for r in doc["results"]}  # left out by default (its GPU compile did not end)
+    assert "rewritten" in {r["impl"] for r in doc["results"] if r["kind"] == "ssd"}
     split = [r for r in doc["results"] if r["kind"] == "split"]  # the prefill's two kernels timed apart, per length
     assert sorted((r["L"], r["impl"]) for r in split) == [
         (L, k) for L in (40, 100) for k in ("pallas_outputs", "pallas_states")
