@@ -18,16 +18,23 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from granite_jax.checkpoint import check_writable, is_orbax_checkpoint, save_checkpoint
 from granite_jax.config import ConfigError
 from granite_jax.model import Granite
-from granite_jax.params import CONV, EXPERTS, KEEP, NAME_MAP, CheckpointError, Transform, load_model, map_name
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+from granite_jax.params import (
+    CONV,
+    DTYPES,
+    EXPERTS,
+    KEEP,
+    NAME_MAP,
+    CheckpointError,
+    Transform,
+    load_model,
+    map_name,
+)
 
 
 def checkpoint_dtype(model_dir: str | os.PathLike) -> str:

@@ -39,12 +39,11 @@ from flax import nnx
 from granite_jax import cpu_kernels
 from granite_jax.config import ATTENTION, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes
-from granite_jax.params import CheckpointError, load_model
+from granite_jax.params import DTYPES, CheckpointError, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
 
 __all__ = ["GenerationError", "Generator", "Result", "SamplingConfig", "Timing", "generate", "main"]
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 log = logging.getLogger(__name__)
 MIN_PROMPT_BUCKET = 16
 LARGE_CACHE_STEP = 16384
@@ -347,9 +346,10 @@ class Generator:
         model: Granite | None = None,
         tokenizer: Any = None,
     ):
-        for name, value in (("dtype", dtype), ("weight_dtype", weight_dtype or dtype)):
-            if value not in DTYPES:
-                raise GenerationError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+        try:
+            dtypes = model_dtypes(dtype, weight_dtype)
+        except ValueError as e:
+            raise GenerationError(str(e)) from None
         for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
             if not (isinstance(value, int) and value >= 1):
                 raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
@@ -359,7 +359,6 @@ class Generator:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
                 raise GenerationError(NO_MODEL_MESSAGE)
-            dtypes = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype or dtype])
             model = load_model(model_dir, **dtypes, ssd_impl=ssd_impl, progress=progress)
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         self.model = model

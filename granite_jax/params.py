@@ -44,6 +44,17 @@ KEEP = Transform(lambda w: w, lambda s: s)
 EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
 CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
 WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the requested dtype; anything else is an error
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # the dtype names commands take
+
+
+def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
+    """`load_model`'s dtype and param_dtype from names: activations in `dtype`, weights in `weight_dtype` (None:
+    dtype). A name outside DTYPES raises ValueError naming the argument."""
+    for name, value in (("dtype", dtype), ("weight_dtype", weight_dtype or dtype)):
+        if value not in DTYPES:
+            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    return dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype or dtype])
+
 
 # (checkpoint name regex, NNX state path template, transform)
 _L = r"model\.layers\.(\d+)\."

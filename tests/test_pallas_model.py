@@ -76,32 +76,37 @@ def test_pallas_model_equals_xla():
         assert err <= TOLERANCE, name
 
 
+def _generation_steps(cfg, dtype, weight_dtype, prompt_len: int, cache_len: int) -> dict:
+    """name -> (fn, args): the Generator's prefill and decode steps at batch 1, model and arguments abstract."""
+    model = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=weight_dtype, rngs=nnx.Rngs(0)))
+    graphdef, treedef, weights = _split(model)
+    S = jax.ShapeDtypeStruct
+    cache = jax.eval_shape(lambda: Cache.init(cfg, 1, cache_len, dtype))
+    params = jax.eval_shape(lambda: SamplingConfig(temperature=0.7, top_k=5).device_params())
+    steps = (("prefill", _prefill_segment, S((1, prompt_len), jnp.int32)), ("decode", _decode_step, S((1,), jnp.int32)))
+    return {
+        name: (functools.partial(fn, graphdef, treedef), (weights, cache, tokens, params, S((), jnp.int32)))
+        for name, fn, tokens in steps
+    }
+
+
 @pytest.mark.parametrize(
     "ssd_impl, dtype, weight_dtype",
     [("pallas", jnp.bfloat16, jnp.bfloat16), ("pallas", jnp.float32, jnp.bfloat16), ("xla", jnp.float32, jnp.float32)],
 )
 def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
-    # The Generator's own prefill and decode steps, on a hybrid MoE model, traced for CUDA on this CPU-only machine:
-    # every CPU kernel must give way to its XLA version (`lax.platform_dependent`), and with "pallas" the SSD runs as
-    # Triton calls (two per Mamba layer in prefill, one in decode).
+    # The Generator's own steps, on a hybrid MoE model, traced for CUDA on this CPU-only machine: every CPU kernel
+    # (batch 1: the decode products go to the matrix-vector kernel on CPUs) must give way to its XLA version
+    # (`lax.platform_dependent`), and with "pallas" the SSD runs as Triton calls (two per Mamba layer in prefill, one in
+    # decode).
     cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2, ssd_impl=ssd_impl)
-    graphdef, treedef, weights = _split(Granite(cfg, dtype=dtype, param_dtype=weight_dtype, rngs=nnx.Rngs(0)))
-    b, length = 1, 40  # one row: the decode products that the matrix-vector kernel takes on CPUs
-    cache = jax.eval_shape(lambda: Cache.init(cfg, b, 64, dtype))
-    params = SamplingConfig(temperature=0.7, top_k=5).device_params()
-    step = jnp.int32(1)
-    texts = {}
-    with pallas_kernels.cuda_lowering():
-        for name, fn, tokens in (
-            ("prefill", _prefill_segment, jnp.zeros((b, length), jnp.int32)),
-            ("decode", _decode_step, jnp.zeros((b,), jnp.int32)),
-        ):
-            traced = jax.jit(functools.partial(fn, graphdef, treedef)).trace(weights, cache, tokens, params, step)
-            texts[name] = traced.lower(lowering_platforms=("cuda",)).as_text()
     mamba_layers = cfg.layer_types.count("mamba")
-    for name, per_layer in (("prefill", 2), ("decode", 1)):
-        assert "granite_" not in texts[name], f"{name}: a CPU kernel in the CUDA program"
-        assert texts[name].count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
+    with pallas_kernels.cuda_lowering():
+        for name, (fn, args) in _generation_steps(cfg, dtype, weight_dtype, prompt_len=40, cache_len=64).items():
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "granite_" not in text, f"{name}: a CPU kernel in the CUDA program"
+            per_layer = 2 if name == "prefill" else 1
+            assert text.count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
 
 
 @pytest.mark.aot
@@ -114,12 +119,6 @@ def test_generation_steps_compile_for_h200(dtype, h200_target):
     cfg = released_config("granite-4.0-h-tiny", ssd_impl="pallas")
     cfg = cfg.replace(layer_types=cfg.layer_types[:6])
     assert set(cfg.layer_types) == {"mamba", "attention"} and cfg.num_local_experts > 0
-    model = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
-    graphdef, treedef, weights = _split(model)
-    cache = jax.eval_shape(lambda: Cache.init(cfg, 1, 8192, dtype))
-    params = jax.eval_shape(lambda: SamplingConfig(temperature=0.7, top_k=5).device_params())
-    S = jax.ShapeDtypeStruct
-    step = S((), jnp.int32)
     with pallas_kernels.cuda_lowering():
-        for fn, tokens in ((_prefill_segment, S((1, 4096), jnp.int32)), (_decode_step, S((1,), jnp.int32))):
-            aot.compile_for_gpu(functools.partial(fn, graphdef, treedef), weights, cache, tokens, params, step)
+        for fn, args in _generation_steps(cfg, dtype, jnp.bfloat16, prompt_len=4096, cache_len=8192).values():
+            aot.compile_for_gpu(fn, *args)

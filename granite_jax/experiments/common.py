@@ -21,10 +21,8 @@ from flax import nnx
 
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
 from granite_jax.model import Granite, count_params
-from granite_jax.params import load_model
+from granite_jax.params import load_model, model_dtypes
 from granite_jax.presets import RELEASED
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 class ExperimentError(ValueError):
@@ -119,11 +117,10 @@ class ModelSpec:
         self, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla", progress: bool = False
     ) -> Granite:
         """The model, computing in `dtype` on weights kept in `weight_dtype` (None: dtype)."""
-        weight_dtype = weight_dtype or dtype
-        for name, value in (("dtype", dtype), ("weight dtype", weight_dtype)):
-            if value not in DTYPES:
-                raise ExperimentError(f"{name} {value!r} is not one of {', '.join(DTYPES)}")
-        dtypes = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype])
+        try:
+            dtypes = model_dtypes(dtype, weight_dtype)
+        except ValueError as e:
+            raise ExperimentError(str(e)) from None
         check_ssd_impl(ssd_impl)
         if self.checkpoint:
             if self.num_layers is not None:
@@ -326,10 +323,10 @@ def check_workload(workload) -> None:
     """Clear errors for workload values no experiment can run."""
     from granite_jax.config import SSD_IMPLS
 
-    if workload.dtype not in DTYPES:
-        raise ExperimentError(f"workload.dtype: {workload.dtype!r} is not one of {', '.join(DTYPES)}")
-    if workload.weight_dtype is not None and workload.weight_dtype not in DTYPES:
-        raise ExperimentError(f"workload.weight_dtype: {workload.weight_dtype!r} is not one of {', '.join(DTYPES)}")
+    try:
+        model_dtypes(workload.dtype, workload.weight_dtype)
+    except ValueError as e:
+        raise ExperimentError(f"workload.{e}") from None
     if workload.ssd_impl not in SSD_IMPLS:
         raise ExperimentError(f"workload.ssd_impl: {workload.ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
     for name in ("batch", "seq_len", "new_tokens"):
