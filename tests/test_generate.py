@@ -97,7 +97,7 @@ def test_bfloat16_checkpoint_on_bfloat16_weights_matches_transformers_in_float32
         want = hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 :].numpy()
     assert np.max(np.abs(stepped - want)) <= 1e-5 * np.max(np.abs(want))
     results = generator.generate(PROMPTS, GREEDY_32)
-    assert {x.dtype for x in jax.tree.leaves(nnx.state(generator.model, Packed))} <= {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(generator.model, Packed))} == {jnp.dtype(jnp.bfloat16)}
     assert [list(r.token_ids) for r in results] == hf_greedy(d, PROMPTS)
     with pytest.raises(GenerationError, match="weight_dtype must be one of float32, bfloat16, float16, got 'int8'"):
         Generator(d, weight_dtype="int8")
