@@ -39,7 +39,7 @@ from flax import nnx
 from granite_jax import cpu_kernels
 from granite_jax.config import ATTENTION, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes
-from granite_jax.params import DTYPES, CheckpointError, load_model, model_dtypes
+from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
 
 __all__ = ["GenerationError", "Generator", "Result", "SamplingConfig", "Timing", "generate", "main"]
@@ -319,6 +319,8 @@ class Generator:
     dtype instead (None: dtype). "bfloat16" with dtype "float32" computes in float32 on the bfloat16 values: for a
     bfloat16 checkpoint (the released ones are), the float32 model's results (the values are exactly representable;
     on CPUs the kernels widen them in registers) at half its weight memory and about half its batch-1 decode traffic.
+    "auto" (the default): that when dtype is "float32" and the checkpoint stores bfloat16 (`params.auto_weight_dtype`),
+    else dtype. `weight_dtype` then names the dtype the weights were loaded in.
     ssd_impl: "xla", "naive", "pallas".
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
@@ -336,7 +338,7 @@ class Generator:
         model_dir: str | os.PathLike | None = None,
         *,
         dtype: str = "float32",
-        weight_dtype: str | None = None,
+        weight_dtype: str | None = AUTO,
         ssd_impl: str = "xla",
         prefill_chunk: int = 512,
         min_cache_len: int = 1024,
@@ -347,7 +349,7 @@ class Generator:
         tokenizer: Any = None,
     ):
         try:
-            dtypes = model_dtypes(dtype, weight_dtype)
+            dtypes = model_dtypes(dtype, None if weight_dtype == AUTO else weight_dtype)
         except ValueError as e:
             raise GenerationError(str(e)) from None
         for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
@@ -359,10 +361,13 @@ class Generator:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
                 raise GenerationError(NO_MODEL_MESSAGE)
+            if weight_dtype == AUTO:
+                dtypes = model_dtypes(dtype, auto_weight_dtype(model_dir, dtype))
             model = load_model(model_dir, **dtypes, ssd_impl=ssd_impl, progress=progress)
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         self.model = model
         self.cfg: ModelConfig = model.cfg
+        self.weight_dtype: str = jnp.dtype(model.embed_tokens.embedding[...].dtype).name
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
         self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
         self.pack_weights, self.packed_bytes = pack_weights, 0
@@ -751,14 +756,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ignore-eos", action="store_true", help="do not stop at eos_token_id (always --max-new-tokens)")
     r = p.add_argument_group("runtime")
-    r.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights and activations dtype (float32)")
+    r.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="float32",
+        help="arithmetic dtype, and the weights' unless --weight-dtype says otherwise (float32)",
+    )
     r.add_argument(
         "--weight-dtype",
-        choices=list(DTYPES),
-        default=None,
+        choices=[AUTO, *DTYPES],
+        default=AUTO,
         help="keep the weights in this dtype instead of --dtype. With --dtype float32, bfloat16 computes in float32 on "
         "the bfloat16 values: for a bfloat16 checkpoint (the released ones are) the float32 results at half the "
-        "weight memory, and faster batch-1 decoding on CPUs (default: --dtype)",
+        "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32 and the "
+        "checkpoint stores bfloat16, else --dtype (auto)",
     )
     r.add_argument(
         "--ssd-impl", choices=["xla", "naive", "pallas"], default="xla", help="Mamba-2 SSD implementation (xla)"
@@ -905,7 +916,7 @@ def run_cli(args: argparse.Namespace) -> int:
         doc = {
             "model": args.model,
             "dtype": args.dtype,
-            "weight_dtype": args.weight_dtype or args.dtype,
+            "weight_dtype": generator.weight_dtype,
             "sampling": dataclasses.asdict(sampling),
             "results": [r.as_dict() for r in results],
             "prefill_tokens_per_s": timing.prefill_tokens_per_s,

@@ -56,6 +56,35 @@ def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
     return dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype or dtype])
 
 
+AUTO = "auto"  # a weight_dtype that follows the checkpoint: see `auto_weight_dtype`
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def stored_dtype(model_dir: str | os.PathLike) -> str | None:
+    """The one dtype a checkpoint stores its weights in, read from the safetensors headers (or the orbax marker)
+    without loading a tensor; None if they mix dtypes."""
+    from granite_jax import checkpoint  # imports this module
+
+    if checkpoint.is_orbax_checkpoint(model_dir):
+        found = checkpoint.read_marker(model_dir).get("param_dtype")
+        return found if isinstance(found, str) else None
+    dtypes = set()
+    for path, names in checkpoint_files(model_dir).items():
+        try:
+            with safe_open(path, framework="numpy") as f:
+                dtypes |= {f.get_slice(name).get_dtype() for name in (names if names is not None else f.keys())}
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+    return _SAFETENSORS_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+def auto_weight_dtype(model_dir: str | os.PathLike, dtype: str) -> str:
+    """weight_dtype "auto": bfloat16 when computing in float32 on a checkpoint stored in bfloat16 (the released ones
+    are), whose values float32 holds exactly: the float32 model's results at half its weight memory and batch-1 decode
+    traffic. Otherwise `dtype`."""
+    return "bfloat16" if dtype == "float32" and stored_dtype(model_dir) == "bfloat16" else dtype
+
+
 # (checkpoint name regex, NNX state path template, transform)
 _L = r"model\.layers\.(\d+)\."
 NAME_MAP: tuple[tuple[str, str, Transform], ...] = (

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from granite_jax.config import ConfigError
-from granite_jax.params import CheckpointError, load_model, map_name
+from granite_jax.params import CheckpointError, auto_weight_dtype, load_model, map_name, stored_dtype
 
 
 def copy_checkpoint(src: str, dst) -> str:
@@ -44,6 +44,16 @@ def test_bf16_checkpoint_cast_to_requested_dtype(hf_checkpoint):
     model = load_model(d, dtype=jnp.float32)
     assert model.embed_tokens.embedding[...].dtype == jnp.float32
     assert load_model(d, dtype=jnp.bfloat16).embed_tokens.embedding[...].dtype == jnp.bfloat16
+
+
+def test_stored_dtype_read_from_the_headers(hf_checkpoint, tiny_checkpoint, tmp_path):
+    bf16 = hf_checkpoint(dtype="bfloat16", max_shard_size="100KB")  # sharded: every shard's header is read
+    assert stored_dtype(bf16) == "bfloat16" and stored_dtype(tiny_checkpoint) == "float32"
+    assert auto_weight_dtype(bf16, "float32") == "bfloat16" and auto_weight_dtype(bf16, "float16") == "float16"
+    assert auto_weight_dtype(tiny_checkpoint, "float32") == "float32"
+    mixed = copy_checkpoint(tiny_checkpoint, tmp_path / "mixed")
+    rewrite_tensors(mixed, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float16)}))
+    assert stored_dtype(mixed) is None and auto_weight_dtype(mixed, "float32") == "float32"
 
 
 def test_missing_directory(tmp_path):
