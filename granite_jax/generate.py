@@ -319,8 +319,8 @@ class Generator:
     dtype instead (None: dtype). "bfloat16" with dtype "float32" computes in float32 on the bfloat16 values: for a
     bfloat16 checkpoint (the released ones are), the float32 model's results (the values are exactly representable;
     on CPUs the kernels widen them in registers) at half its weight memory and about half its batch-1 decode traffic.
-    "auto" (the default): that when dtype is "float32" and the checkpoint stores bfloat16 (`params.auto_weight_dtype`),
-    else dtype. `weight_dtype` then names the dtype the weights were loaded in.
+    "auto" (the default): that when dtype is "float32", the checkpoint stores bfloat16 and the CPU kernels run
+    (`params.auto_weight_dtype`), else dtype. `weight_dtype` then names the dtype the weights were loaded in.
     ssd_impl: "xla", "naive", "pallas".
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
@@ -768,8 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=AUTO,
         help="keep the weights in this dtype instead of --dtype. With --dtype float32, bfloat16 computes in float32 on "
         "the bfloat16 values: for a bfloat16 checkpoint (the released ones are) the float32 results at half the "
-        "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32 and the "
-        "checkpoint stores bfloat16, else --dtype (auto)",
+        "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32, the "
+        "checkpoint stores bfloat16 and the CPU kernels run, else --dtype (auto)",
     )
     r.add_argument(
         "--ssd-impl", choices=["xla", "naive", "pallas"], default="xla", help="Mamba-2 SSD implementation (xla)"

@@ -24,6 +24,7 @@ from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from granite_jax import cpu_kernels
 from granite_jax.config import ModelConfig
 from granite_jax.model import Granite, abstract_model
 
@@ -80,9 +81,11 @@ def stored_dtype(model_dir: str | os.PathLike) -> str | None:
 
 def auto_weight_dtype(model_dir: str | os.PathLike, dtype: str) -> str:
     """weight_dtype "auto": bfloat16 when computing in float32 on a checkpoint stored in bfloat16 (the released ones
-    are), whose values float32 holds exactly: the float32 model's results at half its weight memory and batch-1 decode
-    traffic. Otherwise `dtype`."""
-    return "bfloat16" if dtype == "float32" and stored_dtype(model_dir) == "bfloat16" else dtype
+    are), whose values float32 holds exactly, where the CPU kernels run: the float32 model's results at half its weight
+    memory and batch-1 decode traffic. Otherwise `dtype`: without the kernels (a GPU, another CPU) XLA widens the
+    weights before their products and may hold a float32 copy of them all at once."""
+    narrow = dtype == "float32" and cpu_kernels.available()
+    return "bfloat16" if narrow and stored_dtype(model_dir) == "bfloat16" else dtype
 
 
 # (checkpoint name regex, NNX state path template, transform)

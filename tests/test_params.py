@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from granite_jax import cpu_kernels
 from granite_jax.config import ConfigError
 from granite_jax.params import CheckpointError, auto_weight_dtype, load_model, map_name, stored_dtype
 
@@ -49,11 +50,18 @@ def test_bf16_checkpoint_cast_to_requested_dtype(hf_checkpoint):
 def test_stored_dtype_read_from_the_headers(hf_checkpoint, tiny_checkpoint, tmp_path):
     bf16 = hf_checkpoint(dtype="bfloat16", max_shard_size="100KB")  # sharded: every shard's header is read
     assert stored_dtype(bf16) == "bfloat16" and stored_dtype(tiny_checkpoint) == "float32"
-    assert auto_weight_dtype(bf16, "float32") == "bfloat16" and auto_weight_dtype(bf16, "float16") == "float16"
+    assert auto_weight_dtype(bf16, "float16") == "float16"
+    assert auto_weight_dtype(bf16, "float32") == ("bfloat16" if cpu_kernels.available() else "float32")
     assert auto_weight_dtype(tiny_checkpoint, "float32") == "float32"
     mixed = copy_checkpoint(tiny_checkpoint, tmp_path / "mixed")
     rewrite_tensors(mixed, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float16)}))
     assert stored_dtype(mixed) is None and auto_weight_dtype(mixed, "float32") == "float32"
+
+
+def test_auto_weight_dtype_keeps_float32_without_the_cpu_kernels(hf_checkpoint, monkeypatch):
+    # Without the kernels XLA widens bfloat16 weights before its products, possibly all at once (a float32 copy).
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert auto_weight_dtype(hf_checkpoint(dtype="bfloat16"), "float32") == "float32"
 
 
 def test_missing_directory(tmp_path):
