@@ -119,8 +119,16 @@ class SamplerParams:
 def sample_tokens(logits: Array, params: SamplerParams, step: Array) -> Array:
     """Token ids (b,) from logits (b, V). `step` (the index of the token being produced) varies the random draw."""
     logits = logits.astype(jnp.float32)
-    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return lax.cond(params.temperature > 0, lambda: _sample(logits, params, step), greedy)
+    return lax.cond(params.temperature > 0, lambda: _sample(logits, params, step), lambda: greedy_tokens(logits))
+
+
+def greedy_tokens(logits: Array) -> Array:
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any) as int32, in two plain reductions:
+    XLA:CPU runs argmax's (value, index) reduction at ~0.2 G values/s, 0.5 ms per row of a 100k vocabulary (3-3.5x
+    slower)."""
+    keys = jnp.where(jnp.isnan(logits), _INT_MAX, ordered_keys(logits))  # integers: XLA's float max may skip a NaN
+    index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(keys == jnp.max(keys, axis=-1, keepdims=True), index, logits.shape[-1]), axis=-1)
 
 
 def _sample(logits: Array, params: SamplerParams, step: Array) -> Array:

@@ -57,6 +57,23 @@ def test_greedy_is_argmax(draws):
     assert draws(SamplingConfig())[0] == 1.0
 
 
+def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans():
+    rows = np.random.default_rng(0).standard_normal((9, 100352)).astype(np.float32)
+    rows[1, [5, 70000]] = 9.0  # a tie: the first
+    rows[2] = -np.inf  # nothing finite: token 0
+    rows[3, [3, 80000]] = np.inf
+    rows[4, [100, 90000]] = np.nan  # a NaN wins, the first one (jnp.argmax's rule)
+    rows[5, [200, 300]] = [np.inf, np.nan]
+    rows[6, -1] = 50.0  # the last token
+    rows[7] = 0.0  # all equal
+    rows[8, :-1] = -np.inf
+    rows[0, 9] = -np.float32(np.nan)  # a NaN with the sign bit set (ordered_keys alone would rank it last)
+    got = jax.jit(sampling.greedy_tokens)(jnp.asarray(rows))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(rows, axis=-1))  # numpy's argmax has the same rules
+    assert np.asarray(got).tolist() == [9, 5, 0, 3, 100, 300, 100351, 0, 100351]
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_top_k_keeps_the_k_most_likely(draws, k):
     assert close(draws(SamplingConfig(temperature=1.0, top_k=k)), renormalized(PROBS, k))
