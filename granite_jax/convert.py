@@ -34,18 +34,8 @@ from granite_jax.params import (
     Transform,
     load_model,
     map_name,
+    stored_dtype,
 )
-
-
-def checkpoint_dtype(model_dir: str | os.PathLike) -> str:
-    """The dtype a HF checkpoint declares in config.json (`dtype`, or 4.x `torch_dtype`); float32 if none."""
-    try:
-        with open(os.path.join(os.fspath(model_dir), "config.json")) as f:
-            d = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return "float32"
-    name = d.get("dtype") or d.get("torch_dtype") or "float32"
-    return name if name in DTYPES else "float32"
 
 
 def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "auto", progress=False) -> str:
@@ -56,7 +46,10 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     if is_orbax_checkpoint(model_dir):
         raise CheckpointError(f"{model_dir}: is already a granite-jax orbax checkpoint; nothing to convert")
     check_writable(out_dir)  # before the (possibly long) load
-    name = checkpoint_dtype(model_dir) if dtype == "auto" else dtype
+    name = dtype
+    if dtype == "auto":  # the dtype the safetensors store (their headers); float32 if they mix dtypes or hold float64
+        stored = stored_dtype(model_dir)
+        name = stored if stored in DTYPES else "float32"
     if name not in DTYPES:
         raise CheckpointError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     model = load_model(model_dir, dtype=DTYPES[name], progress=progress)
@@ -140,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=("auto", *DTYPES),
-        help="dtype to store the parameters in; 'auto' (default) keeps the dtype named in config.json",
+        help="dtype to store the parameters in; 'auto' (default) keeps the dtype the checkpoint's tensors are "
+        "stored in (float32 if they mix dtypes)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p

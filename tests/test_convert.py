@@ -61,6 +61,18 @@ def test_convert_to_bfloat16_storage(tiny_checkpoint, tmp_path):
     assert {x.dtype for x in _leaves(load_model(out, dtype=jnp.float32))} == {jnp.dtype(jnp.float32)}
 
 
+def test_convert_keeps_the_stored_dtype_by_default(hf_checkpoint, tiny_checkpoint, tmp_path):
+    assert checkpoint.read_marker(convert.convert(hf_checkpoint(dtype="bfloat16"), tmp_path / "a"))["param_dtype"] == (
+        "bfloat16"
+    )
+    # config.json naming bfloat16 over float32 tensors: the tensors decide, nothing is narrowed
+    src = tmp_path / "declared"
+    shutil.copytree(tiny_checkpoint, src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}))
+    assert checkpoint.read_marker(convert.convert(src, tmp_path / "b"))["param_dtype"] == "float32"
+
+
 def test_non_empty_output_refused(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert convert.main(["--model", tiny_checkpoint, "--out", str(tmp_path), "--quiet"]) == 2
