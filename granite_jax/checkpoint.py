@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from granite_jax.config import ModelConfig
-from granite_jax.model import Granite, abstract_model, count_params
+from granite_jax.model import Granite, abstract_model, count_params, weight_dtype
 from granite_jax.params import CheckpointError, load_config
 
 MARKER = "granite_jax_checkpoint.json"
@@ -134,11 +134,10 @@ def _copy_side_files(src: str | os.PathLike, dst: str) -> list[str]:
 
 
 def _marker(model: Granite, source: str | None) -> dict[str, Any]:
-    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.Param))})
     return dict(
         format=FORMAT,
         version=VERSION,
-        param_dtype=dtypes[0] if len(dtypes) == 1 else dtypes,
+        param_dtype=weight_dtype(model),
         num_params=count_params(model),
         source=source,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -38,7 +38,7 @@ from flax import nnx
 
 from granite_jax import cpu_kernels
 from granite_jax.config import ATTENTION, ConfigError, ModelConfig
-from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes
+from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, weight_dtype
 from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
 
@@ -367,7 +367,6 @@ class Generator:
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         self.model = model
         self.cfg: ModelConfig = model.cfg
-        self.weight_dtype: str = jnp.dtype(model.embed_tokens.embedding[...].dtype).name
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
         self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
         self.pack_weights, self.packed_bytes = pack_weights, 0
@@ -378,6 +377,11 @@ class Generator:
         self.last_timing: Timing | None = None
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def weight_dtype(self) -> str | list[str]:
+        """The dtype name the model's weights are in (`model.weight_dtype`)."""
+        return weight_dtype(self.model)
 
     def generate(
         self,

@@ -513,6 +513,12 @@ def count_params(model: Granite) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def weight_dtype(model: Granite) -> str | list[str]:
+    """The dtype name of the model's parameters, or their sorted names if they mix dtypes."""
+    names = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(nnx.state(model, nnx.Param))})
+    return names[0] if len(names) == 1 else names
+
+
 def pack_for_decoding(model: Granite) -> int:
     """Give every `Linear` of a `packable` model, and a tied output embedding, a copy of its weight in the layout that
     decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: other dtypes, nothing packed).

@@ -14,8 +14,9 @@
 // (many rows) runs blocks of rows padded per expert; here the rows are sorted by expert and each chosen expert is read
 // in place, once for all its rows: K is cut into chunks that the threads share (as few as keep them all busy). Up to
 // three rows of an expert read each chunk's rows of W in order, one at a time (one sequential stream), every load fed
-// to two rows, into partials that stay in L1; four or more (prefill) copy 64-row blocks of W into 16-column strips and run tiles of
-// four rows against them in registers (`expert_rows`). The partials of K's chunks are summed at the end.
+// to two rows, into partials that stay in L1; four or more (prefill) copy 64-row blocks of W into 16-column strips
+// and run tiles of four rows against them in registers (`expert_rows`). The partials of K's chunks are summed at the
+// end.
 //
 // SmallMatmul, 2-16 rows of x, W packed in panels:
 // x (..., K) row-major, W packed as (P, K, 8): panel p holds rows 8p..8p+7 of the (N, K) matrix interleaved, so that

@@ -51,7 +51,8 @@ ffi::Error SsmUpdate(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> state, ffi::Buf
   auto s = state.dimensions();
   auto bd = B.dimensions();
   if (s.size() != 4 || bd.size() != 3 || bd[0] != s[0] || bd[2] != s[3] || bd[1] < 1 || s[1] % bd[1] != 0 ||
-      C.element_count() != B.element_count() || decay.element_count() != s[0] * s[1] || dtx.element_count() != s[0] * s[1] * s[2]) {
+      C.element_count() != B.element_count() || decay.element_count() != s[0] * s[1] ||
+      dtx.element_count() != s[0] * s[1] * s[2]) {
     return ffi::Error::InvalidArgument(
         "ssm_update: expected state (b, h, p, n), decay (b, h), dtx (b, h, p), B and C (b, g, n), g dividing h");
   }

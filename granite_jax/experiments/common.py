@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
-from granite_jax.model import Granite, count_params
+from granite_jax.model import Granite, count_params, weight_dtype
 from granite_jax.params import load_model, model_dtypes
 from granite_jax.presets import RELEASED
 
@@ -144,7 +144,7 @@ def model_summary(model: Granite) -> dict[str, Any]:
         hidden_size=cfg.hidden_size,
         num_local_experts=cfg.num_local_experts,
         dtype=str(jnp.dtype(model.dtype)),
-        weight_dtype=str(model.embed_tokens.embedding[...].dtype),
+        weight_dtype=weight_dtype(model),
         ssd_impl=cfg.ssd_impl,
     )
 
