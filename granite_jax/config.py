@@ -1,6 +1,6 @@
 """Model configuration: a frozen dataclass read from a Hugging Face `config.json` (GraniteMoeHybridConfig).
 
-Field semantics follow transformers' `configuration_granitemoehybrid.py`; see `shared/reference/granite4.md` §1.
+Field semantics follow transformers' `configuration_granitemoehybrid.py`.
 Values this port does not implement are rejected with an error naming the field and the value.
 """
 

@@ -1,7 +1,7 @@
 """Granite 4.0 (GraniteMoeHybrid) in Flax NNX: hybrid Mamba-2 / attention decoder with MoE and a shared MLP.
 
-A port of transformers' `GraniteMoeHybridForCausalLM` (see `shared/reference/granite4.md` §2-§4), readable top to
-bottom: norms, the Mamba-2 mixer, attention, the MoE and the shared MLP, the decoder layer, the model.
+A port of transformers' `GraniteMoeHybridForCausalLM` (`models/granitemoehybrid/modeling_granitemoehybrid.py`),
+readable top to bottom: norms, the Mamba-2 mixer, attention, the MoE and the shared MLP, the decoder layer, the model.
 Attribute names mirror the Hugging Face checkpoint so that `params.py` is a plain table.
 
 Batches are left-padded: `pad[b]` is the number of padding tokens before row b's prompt. Padding never reaches a real

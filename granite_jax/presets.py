@@ -1,7 +1,8 @@
-"""Architectures of the released Granite 4.0 models, as `config.json` dicts (shared/reference/granite4.md §5).
+"""Architectures of the released Granite 4.0 models, as `config.json` dicts.
 
-Values marked unverified there (h-small's attention layer indices, h-micro's residual multiplier and shared width) use
-the family's common values. Used for abstract builds, random-weight benchmarks and `configs/models/`.
+Values not confirmed from a published config.json (h-small's attention layer indices, h-micro's residual multiplier
+and shared width) use the family's common values. Used for abstract builds, random-weight benchmarks and
+`configs/models/`.
 """
 
 from __future__ import annotations
