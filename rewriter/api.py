@@ -229,7 +229,8 @@ def _mismatch(reference: list, result: list, options: Options) -> str | None:
     for k, (a, b) in enumerate(zip(jax.tree.leaves(reference), jax.tree.leaves(result))):
         if hasattr(a, "dtype") and jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        wide = np.complex128 if np.iscomplexobj(a) or np.iscomplexobj(b) else np.float64
+        a64, b64 = np.asarray(a, wide), np.asarray(b, wide)
         if not np.issubdtype(np.asarray(a).dtype, np.inexact):
             if not np.array_equal(a64, b64):
                 return f"{k} differs (non-float values)"

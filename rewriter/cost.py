@@ -75,6 +75,8 @@ def skip_reason(c: Contraction, plan: Plan, options: Options) -> str | None:
     dtypes = [op.dtype for op in (*c.operands, *c.scalars)]
     if not all(jnp.issubdtype(d, jnp.floating) for d in dtypes):
         return f"non-float operands ({', '.join(sorted({str(d) for d in dtypes}))})"
+    if 0 in c.sizes.values():
+        return "a zero-size dim: the product is empty"
     if not any(c.sizes[label] > 1 for label in c.reduced):
         return "sum over size-1 dims only: a plain multiply"
     if len(c.operands) < 2:

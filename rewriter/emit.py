@@ -1,6 +1,12 @@
 """Emitting a planned contraction: slice and squeeze the operands, contract them pairwise along the planned path
-(dot_general where labels are contracted), then broadcast, scale and cast to the dtype the original `reduce_sum`
-produced."""
+(dot_general where labels are contracted), then scale, broadcast and cast to the dtype the original `reduce_sum`
+produced.
+
+The result is the original's up to rounding wherever the original's products and partial sums are finite. The
+order of operations changes (scalars and signs are applied after the sum, bf16/f16 products accumulate in float32),
+so where the original overflows, or multiplies an infinity by zero, the two may differ in which values are inf or
+NaN; `rewrite(..., verify=True)` reports such a difference.
+"""
 
 from __future__ import annotations
 
@@ -45,7 +51,10 @@ def contract(c: Contraction, plan: Plan, read: Callable[[Any], Any], out_aval: A
     if c.scale != 1:
         y = y * jnp.asarray(c.scale, acc)
     for s in c.scalars:
-        y = y * operand_value(s, read).reshape(()).astype(acc)
+        value = operand_value(s, read).reshape(()).astype(acc)
+        y = y / value if s.divisor else y * value
+    if c.sign < 0:
+        y = -y
     kept = set(c.kept)
     positions = tuple(i for i, label in enumerate(c.out) if label in kept)
     if y.shape != tuple(out_aval.shape):

@@ -97,7 +97,7 @@ def retrace(jaxpr: Jaxpr, consts: Sequence[Any], plan: JaxprPlan, ctx: Context) 
     """The jaxpr with its planned sites rewritten, as a new closed jaxpr with the same signature."""
     if not plan.has_rewrites(ctx.enabled):
         return ClosedJaxpr(jaxpr, list(consts))
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in jaxpr.invars]
+    avals = [jax.ShapeDtypeStruct.like(v.aval) for v in jaxpr.invars]  # keeps weak type, sharding, varying axes
     return jax.make_jaxpr(lambda *xs: eval_jaxpr(jaxpr, consts, xs, plan, ctx))(*avals)
 
 

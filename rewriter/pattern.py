@@ -2,8 +2,10 @@
 
 A site is rooted at a `reduce_sum`. Walking back from its operand, each dim of size > 1 gets a label; the walk goes
 through view ops (broadcast_in_dim, transpose, squeeze, unit-dim reshapes, sums over size-1 dims, widening
-converts) and through `mul`s whose result has no other consumer. Every value where the walk stops is an operand:
-its dims carry the labels of the product dims they feed, and a size-1 dim that was broadcast carries none.
+converts, copies) and through `mul`s, `neg`s and divisions by a scalar whose result has no other consumer (nor has
+any value between it and the root). Every value where the walk stops is an operand: its dims carry the labels of
+the product dims they feed, and a size-1 dim that was broadcast carries none. The walk stops at `checkpoint_name`:
+a named value is kept for remat policies.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Iterable
 
 import jax.numpy as jnp
 import numpy as np
+import opt_einsum
 from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
 
 Label = int
@@ -28,6 +31,7 @@ class Operand:
     atom: Var | Literal
     dims: Dims
     exclusive: bool = True  # reached from the product only through values with no other consumer
+    divisor: bool = False  # a scalar the product is divided by (only among `Contraction.scalars`)
 
     @property
     def labels(self) -> tuple[Label, ...]:
@@ -40,13 +44,15 @@ class Operand:
 
 @dataclasses.dataclass(frozen=True)
 class Contraction:
-    """sum over `reduced` of the product of `operands` and `scalars`, laid out as `out` (one label per output dim)."""
+    """sign times the sum over `reduced` of the product of `operands` and `scalars` (divided by the divisor ones),
+    laid out as `out` (one label per output dim)."""
 
     operands: tuple[Operand, ...]
     scalars: tuple[Operand, ...]
     sizes: dict[Label, int]
     out: Dims
     reduced: frozenset[Label]
+    sign: int = 1
 
     @property
     def present(self) -> Counter:
@@ -74,10 +80,8 @@ class Contraction:
 
 
 def _letters(sizes: dict[Label, int]) -> dict[Label, str]:
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-    if len(sizes) > len(alphabet):
-        raise ValueError(f"a contraction with {len(sizes)} labels does not fit in an einsum spec")
-    return {label: alphabet[i] for i, label in enumerate(sorted(sizes))}
+    """a-z, A-Z, then the unicode symbols opt_einsum uses beyond 52 labels."""
+    return {label: opt_einsum.get_symbol(i) for i, label in enumerate(sorted(sizes))}
 
 
 @dataclasses.dataclass
@@ -155,6 +159,8 @@ def view_source_dims(eqn: JaxprEqn, dims: Dims) -> Dims | None:
         return _drop_units(eqn, dims, eqn.params["axes"])
     if name == "convert_element_type" and _is_widening(eqn.invars[0].aval.dtype, eqn.params["new_dtype"]):
         return dims
+    if name in ("copy", "copy_p"):
+        return dims
     return None
 
 
@@ -189,7 +195,7 @@ class Matcher:
         eqn = self.eqn_of(atom)
         while eqn is not None and eqn.primitive.name != "mul":
             dims = (None,) * eqn.outvars[0].aval.ndim
-            if view_source_dims(eqn, dims) is None:
+            if eqn.primitive.name not in ("neg", "div") and view_source_dims(eqn, dims) is None:
                 return False
             eqn = self.eqn_of(eqn.invars[0])
         return eqn is not None
@@ -217,7 +223,7 @@ class Matcher:
             return Match(index, None, walk.products, "the product has other consumers")
         operands = tuple(op for op in walk.leaves if op.labels)
         scalars = tuple(op for op in walk.leaves if not op.labels)
-        contraction = Contraction(operands, scalars, sizes, out, reduced)
+        contraction = Contraction(operands, scalars, sizes, out, reduced, walk.sign)
         return Match(index, contraction, walk.products, absorbed=tuple(walk.absorbed))
 
 
@@ -229,6 +235,7 @@ class _Walk:
         self.leaves: list[Operand] = []
         self.products: list[Var] = []
         self.absorbed: list[int] = []
+        self.sign = 1
 
     def top(self, atom, dims: Dims) -> str | None:
         """Walk the views between the root and the first mul; 'shared' if the product escapes, None if no mul."""
@@ -238,33 +245,67 @@ class _Walk:
             if eqn is None:
                 return None
             shared = shared or self.m.uses[atom] > 1
-            if eqn.primitive.name == "mul":
+            name = eqn.primitive.name
+            if name == "mul":
                 if shared:
                     self.products.append(atom)
                     return "shared"
                 self.tree(atom, dims, exclusive=True)
                 return "ok"
-            src = self.view(atom, eqn, dims)
+            if name == "neg" and not shared:
+                self.sign = -self.sign
+                atom = eqn.invars[0]
+                continue
+            if name == "div" and not shared and (divisor := self.scalar(eqn.invars[1], dims)) is not None:
+                self.leaves.append(divisor)
+                atom = eqn.invars[0]
+                continue
+            src = self.view(atom, eqn, dims, not shared)
             if src is None:
                 return None
             atom, dims = eqn.invars[0], src
 
-    def view(self, atom, eqn: JaxprEqn, dims: Dims) -> Dims | None:
+    def view(self, atom, eqn: JaxprEqn, dims: Dims, exclusive: bool = True) -> Dims | None:
+        """The labels of a view's source. A size-1 sum on the exclusive path is absorbed: its work vanishes."""
         src = view_source_dims(eqn, dims)
-        if src is not None and eqn.primitive.name == "reduce_sum":
+        if src is not None and eqn.primitive.name == "reduce_sum" and exclusive:
             self.absorbed.append(self.m.producer[atom])
         return src
 
     def tree(self, atom, dims: Dims, exclusive: bool) -> None:
+        """Walk down from `atom` (labelled `dims`). `exclusive`: every value above it, up to the root, has one use;
+        only then is a product below it computed inside the contraction (else it is an operand, computed anyway)."""
         eqn = self.m.eqn_of(atom)
-        single = isinstance(atom, Var) and self.m.uses[atom] == 1
-        if eqn is not None and eqn.primitive.name == "mul" and single:
+        owned = exclusive and isinstance(atom, Var) and self.m.uses[atom] == 1
+        name = eqn.primitive.name if eqn is not None else None
+        if owned and name == "mul":
             self.products.append(atom)
             for x in eqn.invars:
-                self.tree(x, dims if x.aval.ndim == len(dims) else (None,) * x.aval.ndim, exclusive)
+                self.tree(x, dims if x.aval.ndim == len(dims) else (None,) * x.aval.ndim, True)
             return
-        src = self.view(atom, eqn, dims) if eqn is not None else None
+        if owned and name == "neg":
+            self.sign = -self.sign
+            self.tree(eqn.invars[0], dims, True)
+            return
+        if owned and name == "div" and (divisor := self.scalar(eqn.invars[1], dims)) is not None:
+            self.leaves.append(divisor)
+            self.tree(eqn.invars[0], dims, True)
+            return
+        src = self.view(atom, eqn, dims, owned) if eqn is not None else None
         if src is not None:
-            self.tree(eqn.invars[0], src, exclusive and single)
+            self.tree(eqn.invars[0], src, owned)
             return
-        self.leaves.append(Operand(atom, dims, exclusive and single))
+        self.leaves.append(Operand(atom, dims, owned))
+
+    def scalar(self, atom, dims: Dims) -> Operand | None:
+        """`atom` as a divisor when it is one value broadcast (through views only) over the product's dims."""
+        dims = dims if atom.aval.ndim == len(dims) else (None,) * atom.aval.ndim
+        while True:
+            if any(d is not None and atom.aval.shape[a] != 1 for a, d in enumerate(dims)):
+                eqn = self.m.eqn_of(atom)
+                src = view_source_dims(eqn, dims) if eqn is not None else None
+                if src is None:
+                    return None
+                atom, dims = eqn.invars[0], src
+                continue
+            return Operand(atom, (None,) * atom.aval.ndim, False, divisor=True)

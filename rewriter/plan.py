@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 
+import jax
 import numpy as np
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
@@ -17,7 +18,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 from rewriter import cost
 from rewriter.invariance import CALL_LIKE, Invariance, sub_jaxpr
 from rewriter.options import Options
-from rewriter.pattern import Contraction, Match, Matcher, Operand
+from rewriter.pattern import Contraction, Match, Matcher
 from rewriter.site import FUSED, REWRITTEN, SKIPPED, Site
 
 
@@ -80,6 +81,7 @@ class Planner:
         self.options = options
         self.sites: list[Site] = []
         self._inv_cache: dict = {}
+        self._frozen: str | None = None  # why the jaxpr being planned cannot be rewritten (its sites are reported)
 
     def plan(self, jaxpr: Jaxpr, path: str = "", in_axes=None) -> JaxprPlan:
         matcher = Matcher(jaxpr)
@@ -106,7 +108,14 @@ class Planner:
         return plans
 
     def _child(self, jaxpr: Jaxpr, path: str, segment: str, in_axes) -> JaxprPlan:
-        return self.plan(jaxpr, f"{path}/{segment}" if path else segment, in_axes)
+        path = f"{path}/{segment}" if path else segment
+        if self._frozen is not None or over_arrays(jaxpr):
+            return self.plan(jaxpr, path, in_axes)
+        self._frozen = f"inside {segment.split('.')[0]}, whose body takes refs, not arrays: not rewritten"
+        try:
+            return self.plan(jaxpr, path, in_axes)
+        finally:
+            self._frozen = None
 
     # --------------------------------------------------------------------------------------------- one site
 
@@ -119,6 +128,9 @@ class Planner:
         plan = cost.contraction_plan(contraction)
         site = self._entry(eqn, match, contraction, plan, path, dropped)
         self.sites.append(site)
+        if self._frozen is not None:
+            site.reason = self._frozen
+            return
         state = SitePlan(site, contraction, plan)
         states[match.eqn_index] = state
         contracts = any(contraction.sizes[label] > 1 for label in contraction.reduced)
@@ -170,9 +182,10 @@ class Planner:
         site.operand_dtypes = [str(op.dtype) for op in fused.operands]
 
     def _entry(self, eqn, match: Match, c: Contraction | None, plan, path: str, dropped: int, reason=None) -> Site:
-        product = match.product.aval
+        summed = eqn.invars[0].aval  # the product, or a broadcast of it
+        product = max(match.product.aval, summed, key=lambda aval: math.prod(aval.shape))
         elements = math.prod(product.shape)
-        naive = sum(math.prod(v.aval.shape) for v in match.products) + elements
+        naive = sum(math.prod(v.aval.shape) for v in match.products) + math.prod(summed.shape)
         return Site(
             id=len(self.sites) + 1,
             path=path,
@@ -193,6 +206,11 @@ class Planner:
             status=SKIPPED,
             reason=reason,
         )
+
+
+def over_arrays(jaxpr: Jaxpr) -> bool:
+    """Whether every input of `jaxpr` is an array (a Pallas kernel body, say, takes refs: it is not retraced)."""
+    return all(isinstance(v.aval, jax.core.ShapedArray) for v in (*jaxpr.invars, *jaxpr.constvars))
 
 
 def drop_hidden_broadcasts(c: Contraction, inv: Invariance) -> tuple[Contraction, int]:
@@ -227,7 +245,7 @@ def compose(outer: Contraction, k: int, inner: Contraction) -> Contraction | Non
         sizes[fresh] = inner.sizes[label]
         reduced.add(fresh)
         fresh += 1
-    relabel = lambda o: Operand(o.atom, tuple(None if d is None else mapping[d] for d in o.dims), o.exclusive)
+    relabel = lambda o: dataclasses.replace(o, dims=tuple(None if d is None else mapping[d] for d in o.dims))
     operands = (*outer.operands[:k], *map(relabel, inner.operands), *outer.operands[k + 1 :])
     scalars = (*outer.scalars, *map(relabel, inner.scalars))
-    return Contraction(operands, scalars, sizes, outer.out, frozenset(reduced))
+    return Contraction(operands, scalars, sizes, outer.out, frozenset(reduced), outer.sign * inner.sign)

@@ -5,7 +5,8 @@
 
 Parameters and inputs are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`), so a report at full model size allocates
 nothing. This module is the only part of the package that knows about granite-jax; the rewriter itself finds the
-sites in whatever jaxpr it is given.
+sites in whatever jaxpr it is given. A missing config file, an unknown field, a value of the wrong type or out of
+range ends with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
+from granite_jax import config_cli
+from granite_jax.config import ConfigError
 from rewriter.api import analyze
 from rewriter.options import Options
 from rewriter.site import Report
 
 TARGETS = ("mamba_layer", "ssd", "model")
+PROG = "rewriter.report"
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # absl's handler would print backend probing
 
 
@@ -33,7 +37,10 @@ def model_config(c: config_dict.ConfigDict):
     from granite_jax.presets import released_config
 
     fields = ("hidden_size", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size")
-    return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in fields})
+    try:
+        return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in fields})
+    except KeyError as e:
+        raise ValueError(f"--config.model: {e.args[0]}") from None
 
 
 def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
@@ -44,9 +51,12 @@ def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
     from granite_jax.ssd import ssd_chunked_naive
 
     if c.target not in TARGETS:
-        raise ValueError(f"target: {c.target!r} is not one of {TARGETS}")
-    if c.batch < 1 or c.seq_len < 1:
-        raise ValueError(f"batch and seq_len must be >= 1, got {c.batch} and {c.seq_len}")
+        raise ValueError(f"--config.target: {c.target!r} is not one of {', '.join(TARGETS)}")
+    for name in ("batch", "seq_len"):
+        if c[name] < 1:
+            raise ValueError(f"--config.{name} must be >= 1, got {c[name]}")
+    if c.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"--config.dtype: {c.dtype!r} is not one of float32, bfloat16, float16")
     cfg = model_config(c)
     dtype = jnp.dtype(c.dtype)
     sds = jax.ShapeDtypeStruct
@@ -75,7 +85,10 @@ def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
 
 def report_for(c: config_dict.ConfigDict) -> Report:
     fn, args = build(c)
-    options = Options(min_flops=c.min_flops, min_dim=c.min_dim, fuse_chains=c.fuse_chains, precision=c.precision)
+    try:
+        options = Options(min_flops=c.min_flops, min_dim=c.min_dim, fuse_chains=c.fuse_chains, precision=c.precision)
+    except ValueError as e:
+        raise ValueError(f"--config.{e}") from None  # Options' messages start with the field's name
     report = analyze(fn, *args, options=options)
     report.function = f"{c.model} {c.target} (naive SSD), batch {c.batch} x {c.seq_len} tokens, {c.dtype}"
     return report
@@ -83,11 +96,14 @@ def report_for(c: config_dict.ConfigDict) -> Report:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        config_cli.fail(PROG, f"unexpected arguments: {' '.join(argv[1:])}")
     c = flags.FLAGS.config
     if c is None:
-        raise app.UsageError("--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
-    report = report_for(c)
+        config_cli.fail(PROG, "--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
+    try:
+        report = report_for(c)
+    except (ValueError, ConfigError) as e:
+        config_cli.fail(PROG, str(e))
     print(report)
     if c.json_out:
         report.to_json(c.json_out)
@@ -96,5 +112,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # Defined only when run as a command, so importing this module next to other absl commands defines no flags.
-    config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
-    app.run(main)
+    config = config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
+    app.run(main, flags_parser=config_cli.flags_parser(PROG, config))

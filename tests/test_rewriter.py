@@ -121,6 +121,35 @@ def test_skip_product_with_other_consumers():
     assert_close(out, oracle("ik,kj->ij", a, b), oracle_bound("ik,kj->ij", a, b), 1e-5)
 
 
+def test_product_behind_a_shared_value_is_an_operand():
+    """A plain multiply whose result is also returned is computed anyway: not fused, not counted as removed, and its
+    product not recomputed inside the next contraction."""
+    g, m, c = rand(64, 64), rand(64, seed=1), rand(64, 16, seed=2)
+
+    def f(g, m, c):
+        masked = (g[..., None] * m[:, None, None]).sum(-1)  # a sum over a size-1 dim: a plain multiply
+        return (masked[:, :, None] * c[None]).sum(1), masked
+
+    fast = rewriter.rewrite(f, **GATE_OFF)
+    out, masked = fast(g, m, c)
+    want = oracle("ik,i,kj->ij", g, m, c)
+    assert_close(out, want, oracle_bound("ik,i,kj->ij", g, m, c), 1e-5)
+    first, second = fast.last_report.sites
+    assert (first.status, second.status, second.spec) == ("skipped", "rewritten", "ab,bc->ac"), str(fast.last_report)
+    muls = [e for e in all_eqns(jax.make_jaxpr(fast)(g, m, c)) if e.primitive.name == "mul"]
+    assert len(muls) == 1, muls
+
+
+def test_report_counts_a_broadcast_between_product_and_sum():
+    a, b = rand(128, 96), rand(96, 80, seed=1)
+    f = lambda a, b: jnp.broadcast_to((a[:, :, None] * b[None])[:, None], (128, 3, 96, 80)).sum((1, 2))
+    site = only_site(rewriter.analyze(f, a, b, options=Options(**GATE_OFF)))
+    assert site.intermediate_shape == (128, 3, 96, 80) and site.intermediate_elements == 128 * 3 * 96 * 80
+    assert site.naive_flops == 128 * 96 * 80 + 128 * 3 * 96 * 80  # the multiplies, then the adds of the sum
+    out = rewriter.rewrite(f, **GATE_OFF)(a, b)
+    assert_close(out, 3 * oracle("ik,kj->ij", a, b), 3 * oracle_bound("ik,kj->ij", a, b), 1e-5)
+
+
 # ------------------------------------------------------------------------------------------------- the pattern
 
 
@@ -133,6 +162,27 @@ def test_default_gate_rewrites_a_real_matmul():
     assert site.intermediate_bytes == 4 * 128 * 96 * 80 and site.flops == 2 * 128 * 96 * 80
     assert largest_value(jax.make_jaxpr(matmul_as_sum)(a, b)) == 128 * 96 * 80
     assert largest_value(jax.make_jaxpr(fast)(a, b)) == 128 * 80  # the output: the product is gone
+
+
+def test_negated_divided_and_copied_products():
+    a, b, s = rand(8, 6), rand(6, 5, seed=1), rand(seed=2)
+    check_rewritten(lambda a, b: (-(a[:, :, None] * b[None])).sum(1), (a, b), "ik,kj->ij", factor=-1.0)
+    check_rewritten(lambda a, b: (a[:, :, None] * b[None] / 4.0).sum(1), (a, b), "ik,kj->ij", factor=0.25)
+    divided = lambda a, b, s: (-a[:, :, None] * b[None] / s).sum(1)
+    fast = rewriter.rewrite(divided, **GATE_OFF)
+    factor = -1.0 / float(s)
+    assert_close(fast(a, b, s), factor * oracle("ik,kj->ij", a, b), abs(factor) * oracle_bound("ik,kj->ij", a, b), 1e-5)
+    assert sums_of_products(jax.make_jaxpr(fast)(a, b, s)) == 0
+    check_rewritten(lambda a, b: jnp.array(a[:, :, None] * b[None], copy=True).sum(1), (a, b), "ik,kj->ij")
+
+
+def test_division_by_a_tensor_is_not_a_scalar_factor():
+    a, b = rand(8, 6), rand(6, 5, seed=1)
+    d = jnp.abs(rand(8, 6, 5, seed=2)) + 1.0
+    fast = rewriter.rewrite(lambda a, b, d: (a[:, :, None] * b[None] / d).sum(1), **GATE_OFF)
+    want = (np.asarray(a, np.float64)[:, :, None] * np.asarray(b, np.float64)[None] / np.asarray(d, np.float64)).sum(1)
+    np.testing.assert_allclose(np.asarray(fast(a, b, d)), want, rtol=1e-5, atol=1e-6)
+    assert not fast.last_report.rewritten
 
 
 def test_scalar_factors_and_several_summed_axes():
@@ -305,6 +355,58 @@ def test_higher_order_primitives(fn, path):
     assert_close(ga, oracle("ij,kj->ik", ones, b), oracle_bound("ij,kj->ik", ones, b), 1e-5)
 
 
+def test_shard_map_with_varying_values_in_a_scan():
+    """Bodies are re-traced with their inputs' full types: here a carry varying over the mesh axis."""
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec
+
+    def f(a, b):
+        def body(a, b):
+            init = lax.pcast(jnp.zeros((8, 5)), ("x",), to="varying")
+            return lax.scan(lambda c, _: (c + matmul_as_sum(a, b), None), init, None, length=3)[0]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec("x"), spec()), out_specs=spec("x"))(a, b)
+
+    a, b = rand(8, 6), rand(6, 5, seed=1)
+    check_rewritten(f, (a, b), "ik,kj->ij", factor=3.0)
+
+
+def test_pallas_kernel_body_is_reported_not_rewritten():
+    from jax.experimental import pallas as pl
+
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = matmul_as_sum(a_ref[...], b_ref[...])
+
+    def f(a, b):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 8), jnp.float32), interpret=True)(a, b)
+
+    a, b = rand(8, 8), rand(8, 8, seed=1)
+    fast = rewriter.rewrite(f, **GATE_OFF)
+    assert_close(fast(a, b), oracle("ik,kj->ij", a, b), oracle_bound("ik,kj->ij", a, b), 1e-5)
+    site = only_site(fast.last_report)
+    assert site.status == "skipped" and "refs" in site.reason, str(fast.last_report)
+
+
+def test_zero_size_dims():
+    x, w = rand(16, 16), rand(16, 16, seed=1)
+
+    def hidden_broadcast_over_nothing(x, w):
+        big = jnp.exp(jnp.broadcast_to(x[None], (0, 16, 16)))
+        return (big[:, :, :, None] * w[None, None]).sum((0, 2))
+
+    out = rewriter.rewrite(hidden_broadcast_over_nothing)(x, w)  # default options
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((16, 16), np.float32))
+    assert "zero-size" in skip_reason(matmul_as_sum, jnp.zeros((4, 0)), jnp.zeros((0, 3)), **GATE_OFF)
+
+
+def test_more_labels_than_letters():
+    shape = (2,) * 27
+    a = jax.ShapeDtypeStruct(shape, jnp.float32)
+    f = lambda a, b: (a[(...,) + (None,) * 27] * b[(None,) * 27]).sum(tuple(range(20, 34)))
+    site = only_site(rewriter.analyze(f, a, a, options=Options(**GATE_OFF)))
+    assert len(site.spec.split("->")[0].split(",")[0]) == 27 and site.status == "rewritten", site
+
+
 def test_scan_body_rewritten():
     a, b = rand(3, 8, 6), rand(6, 5, seed=1)
     fast = check_rewritten(with_scan, (a, b), "tik,kj->tij")
@@ -458,13 +560,23 @@ def test_verify_with_typed_prng_keys_in_and_out():
     def f(a, b, key):
         return matmul_as_sum(a, b) + jax.random.normal(key, (8, 5)), jax.random.split(key)
 
-    fast = rewriter.rewrite(f, verify=True, **GATE_OFF)
     a, b, key = rand(8, 6), rand(6, 5, seed=1), jax.random.key(0)
-    for g in (fast, jax.jit(fast)):  # eagerly: real keys; under jit: stand-in keys of the same implementation
+    # eagerly: real keys; under jit: stand-in keys of the same implementation (a fresh rewrite each: one verification)
+    for g in (rewriter.rewrite(f, verify=True, **GATE_OFF), jax.jit(rewriter.rewrite(f, verify=True, **GATE_OFF))):
         out, keys = g(a, b, key)
         want, want_keys = f(a, b, key)
         assert_close(out, want, oracle_bound("ik,kj->ij", a, b) + np.abs(want), 1e-5)
         np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(want_keys))
+
+
+def test_verify_compares_complex_outputs(monkeypatch):
+    from rewriter import interpret
+
+    real = interpret.emit.contract
+    monkeypatch.setattr(interpret.emit, "contract", lambda *args: real(*args) + 1.0)
+    fast = rewriter.rewrite(lambda a, b: matmul_as_sum(a, b) * 1j, verify=True, **GATE_OFF)
+    with pytest.raises(VerificationError, match="site #1"):
+        fast(rand(8, 6), rand(6, 5, seed=1))
 
 
 def test_verify_under_jit_uses_stand_in_inputs(monkeypatch):
