@@ -16,17 +16,16 @@ used, the environment), results.md (the table) and PNG plots.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import os
-import re
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
-from absl import app, flags
+from absl import app
 from ml_collections import config_flags
 
+from granite_jax import config_cli
 from granite_jax.config import ConfigError
 from granite_jax.experiments.common import (
     ExperimentError,
@@ -132,65 +131,8 @@ def _params(model: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def _fail(message: str) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing with one-line errors (exit code 2) instead of tracebacks for bad config overrides."""
-    try:
-        rest = flags.FLAGS(argv)
-        if _CONFIG.value is not None:
-            _CONFIG.value.experiment  # noqa: B018  (a config file that failed to load raises only when read)
-        return rest
-    except flags.Error as e:
-        _fail(str(e).splitlines()[0])
-    except Exception as e:  # config_flags raises whatever the config file or the override raised)
-        _fail(_override_error(argv, e))
-    return []
-
-
-def _config_file_arg(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _override_error(argv: list[str], error: Exception) -> str:
-    """Name the config file that cannot be loaded, or the override that does not fit the config and the fields that
-    exist where it points."""
-    spec = _config_file_arg(argv)
-    path, _, arg = (spec or "").partition(":")
-    if spec is None or not os.path.isfile(path):
-        return f"--config: config file {path or '(none)'!r} not found"
-    try:
-        config = _load_config(path, arg or None)
-    except Exception as e:  # the config file itself is broken
-        return f"--config: {path}: get_config() failed ({type(e).__name__}: {e})"
-    for item in argv[1:]:
-        m = re.fullmatch(r"--(?:no)?config\.([\w.]+)(=.*)?", item)
-        if not m:
-            continue
-        node, fields_path = config, m.group(1).split(".")
-        for depth, key in enumerate(fields_path):
-            fields = list(node.keys()) if hasattr(node, "keys") else []
-            if key not in fields:
-                where = ".".join(["config", *fields_path[:depth]])
-                known = f"fields: {', '.join(sorted(fields))}" if fields else "it is a value, not a section"
-                return f"--config.{m.group(1)}: unknown field {key!r} in {where} ({known})"
-            node = node[key]
-    return f"bad config override ({type(error).__name__}: {str(error).strip()})"
-
-
-def _load_config(path: str, arg: str | None):
-    spec = importlib.util.spec_from_file_location("_granite_experiment_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg) if arg is not None else module.get_config()
+def _fail(message: str) -> NoReturn:
+    config_cli.fail(PROG, message)
 
 
 def main(argv: list[str]) -> None:
@@ -209,7 +151,7 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=config_cli.flags_parser(PROG, _CONFIG))
 
 
 if __name__ == "__main__":

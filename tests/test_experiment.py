@@ -11,7 +11,7 @@ import sys
 import jax
 import pytest
 
-from granite_jax import cpu_kernels, experiment
+from granite_jax import config_cli, cpu_kernels, experiment
 from granite_jax.config import ATTENTION, ModelConfig
 from granite_jax.experiments import throughput
 from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
@@ -23,7 +23,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def load(relative: str, arg: str | None = None):
-    return experiment._load_config(os.path.join(ROOT, relative), arg)
+    return config_cli.load_config(os.path.join(ROOT, relative), arg)
 
 
 # ---------------------------------------------------------------------------------------------- config files
@@ -47,7 +47,7 @@ def test_tiny_model_config():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs/experiments/*.py"))))
 def test_experiment_configs_load(path):
     for arg in (None, "quick"):
-        config = experiment._load_config(path, arg)
+        config = config_cli.load_config(path, arg)
         assert config.experiment in experiment.EXPERIMENTS
         assert {"model", "workload", "measure", "output_dir"} <= set(config.keys())
         assert config.output_dir is None and config.model.checkpoint is None

@@ -132,6 +132,26 @@ def test_report_command(tmp_path):
     assert len(sites) == 6 and sites[0]["intermediate_elements"] == 805_306_368
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.seqlen=5", "unknown field 'seqlen' in config (fields: batch,"),
+        ("--config.seq_len=abc", "--config.seq_len=abc"),
+        ("--config.seq_len=0", "--config.seq_len must be >= 1, got 0"),
+        ("--config.target=bogus", "--config.target: 'bogus' is not one of mamba_layer, ssd, model"),
+        ("--config.model=granite-9", "--config.model: unknown model 'granite-9'"),
+        ("--config.min_dim=0", "--config.min_dim must be None or an int >= 1, got 0"),
+        ("--config=missing.py", "config file 'missing.py' not found"),
+    ],
+)
+def test_report_command_refuses_bad_input(override, message):
+    config = str(ROOT / "configs/rewriter/h_tiny_mamba.py")
+    cmd = [sys.executable, "-m", "rewriter.report", "--config", config, override]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def tiny_config(impl: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(TINY_CONFIG | {"vocab_size": 300}).replace(ssd_impl=impl)
 
