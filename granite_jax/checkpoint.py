@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from granite_jax.config import ModelConfig
+from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.model import Granite, abstract_model, count_params, weight_dtype
 from granite_jax.params import CheckpointError, load_config
 
@@ -54,11 +54,7 @@ def read_marker(model_dir: str | os.PathLike) -> dict[str, Any]:
             f"{d}: incomplete orbax checkpoint (no {MARKER}); the conversion was interrupted. "
             "Delete the directory and run `python -m granite_jax.convert` again"
         )
-    try:
-        with open(path) as f:
-            marker = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable completion marker ({e})") from None
+    marker = read_json_object(path, CheckpointError)
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a granite-jax orbax checkpoint (format {marker.get('format')!r})")
     if marker.get("version") != VERSION:
@@ -93,7 +89,10 @@ def save_checkpoint(
         os.makedirs(parent, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"{out}: cannot create its parent directory ({e.strerror})") from None
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    except OSError as e:  # what check_writable cannot see (root on a read-only file system, say)
+        raise CheckpointError(f"{out}: cannot write in {parent} ({e.strerror})") from None
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
     try:
         _write_state(model, os.path.join(tmp, STATE_DIR))
@@ -109,12 +108,17 @@ def save_checkpoint(
 
 
 def check_writable(out_dir: str | os.PathLike) -> None:
-    """Refuse an output path that is a file or a non-empty directory."""
+    """Refuse an output path that is a file or a non-empty directory, or whose parent cannot take it."""
     out = os.fspath(out_dir)
     if os.path.isdir(out) and os.listdir(out):
         raise CheckpointError(f"{out}: output directory is not empty; choose a new directory or empty this one")
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"{out}: exists and is not a directory")
+    ancestor = os.path.dirname(os.path.abspath(out))  # the directories up to the nearest existing one are created
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor) or not os.access(ancestor, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{out}: cannot create it in {ancestor} (not a writable directory)")
 
 
 def _write_state(model: Granite, path: str) -> None:

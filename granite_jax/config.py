@@ -58,11 +58,7 @@ class ModelConfig:
     ssd_impl: str = "xla"
 
     def __post_init__(self):
-        for i, t in enumerate(self.layer_types):
-            if t not in (MAMBA, ATTENTION):
-                raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r}; expected 'mamba' or 'attention'")
-        if self.ssd_impl not in SSD_IMPLS:
-            raise ConfigError(f"ssd_impl: {self.ssd_impl!r} is not one of {SSD_IMPLS}")
+        self._check_values()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -85,6 +81,32 @@ class ModelConfig:
             )
         if self.rope_theta is not None and self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def _check_values(self) -> None:
+        """Each field on its own: layer types known, sizes positive integers, scalars finite numbers."""
+        if not self.layer_types:
+            raise ConfigError("layer_types: empty; a model needs at least one layer")
+        for i, t in enumerate(self.layer_types):
+            if t not in (MAMBA, ATTENTION):
+                raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r}; expected 'mamba' or 'attention'")
+        if self.ssd_impl not in SSD_IMPLS:
+            raise ConfigError(f"ssd_impl: {self.ssd_impl!r} is not one of {SSD_IMPLS}")
+        for name in _POSITIVE_INTS:
+            _check_int(name, getattr(self, name), 1)
+        _check_int("num_local_experts", self.num_local_experts, 0)
+        _check_int("num_experts_per_tok", self.num_experts_per_tok, 0)
+        _check_int("intermediate_size", self.intermediate_size, 1 if self.num_local_experts else 0)
+        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier"):
+            _check_float(name, getattr(self, name))
+        _check_float("rms_norm_eps", self.rms_norm_eps, positive=True)
+        _check_float("logits_scaling", self.logits_scaling, nonzero=True)
+        if self.rope_theta is not None:
+            _check_float("rope_theta", self.rope_theta, positive=True)
+        for name in ("bos_token_id", "pad_token_id"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0)
+        for i, token in enumerate(self.eos_token_id):
+            _check_int(f"eos_token_id[{i}]", token, 0)
 
     @property
     def num_layers(self) -> int:
@@ -114,6 +136,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], *, source: str = "config") -> ModelConfig:
         """Build from a GraniteMoeHybridConfig dict (4.x or 5.x spelling), rejecting what is not implemented."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {_json_type(d)}")
         try:
             return cls._from_hf_dict(d)
         except ConfigError as e:
@@ -129,61 +153,40 @@ class ModelConfig:
         for field, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mamba_proj_bias", False)):
             if d.get(field, ok) != ok:
                 raise ConfigError(f"{field}: {d[field]!r} is not supported (only {ok!r})")
-        hidden = int(d.get("hidden_size", 4096))
-        n_layers = int(d.get("num_hidden_layers", 32))
-        raw_types = d.get("layer_types") or d.get("layers_block_type") or [MAMBA] * n_layers
-        if len(raw_types) != n_layers:
-            raise ConfigError(f"layer_types: {len(raw_types)} entries but num_hidden_layers={n_layers}")
-        layer_types = []
-        for i, t in enumerate(raw_types):
-            if t not in _LAYER_TYPE_ALIASES:
-                raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r}")
-            layer_types.append(_LAYER_TYPE_ALIASES[t])
-        heads = int(d.get("num_attention_heads", 32))
-        head_dim = d.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; set head_dim")
-            head_dim = hidden // heads
-        expand = int(d.get("mamba_expand", 2))
-        mamba_heads = int(d.get("mamba_n_heads", 128))
-        d_head = d.get("mamba_d_head", "auto")
-        if d_head in ("auto", None):
-            d_head = expand * hidden // mamba_heads
-        eos = d.get("eos_token_id", 2)
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list | tuple) else (int(eos),)
-        n_experts = int(d.get("num_local_experts", 8) or 0)
+        hidden = _int(d, "hidden_size", 4096)
+        heads = _int(d, "num_attention_heads", 32)
+        n_experts = _int(d, "num_local_experts", 8, minimum=0, null=0)
         return cls(
-            vocab_size=int(d.get("vocab_size", 32000)),
+            vocab_size=_int(d, "vocab_size", 32000),
             hidden_size=hidden,
-            layer_types=tuple(layer_types),
+            layer_types=_layer_types(d),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(d.get("intermediate_size", 11008)),
-            shared_intermediate_size=int(d.get("shared_intermediate_size", 1024)),
+            num_key_value_heads=_int(d, "num_key_value_heads", heads, null=heads),
+            head_dim=_head_dim(d, hidden, heads),
+            intermediate_size=_int(d, "intermediate_size", 11008, minimum=0),
+            shared_intermediate_size=_int(d, "shared_intermediate_size", 1024),
             num_local_experts=n_experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok", 2) or 0) if n_experts else 0,
-            mamba_n_heads=mamba_heads,
-            mamba_d_head=int(d_head),
-            mamba_d_state=int(d.get("mamba_d_state", 256)),
-            mamba_n_groups=int(d.get("mamba_n_groups", 1)),
-            mamba_d_conv=int(d.get("mamba_d_conv", 4)),
-            mamba_expand=expand,
-            mamba_chunk_size=int(d.get("mamba_chunk_size", 256)),
-            mamba_conv_bias=bool(d.get("mamba_conv_bias", True)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
-            attention_multiplier=float(d.get("attention_multiplier", 1.0)),
-            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
-            logits_scaling=float(d.get("logits_scaling", 1.0)),
+            num_experts_per_tok=_int(d, "num_experts_per_tok", 2, minimum=0, null=0) if n_experts else 0,
+            mamba_n_heads=_int(d, "mamba_n_heads", 128),
+            mamba_d_head=_mamba_d_head(d, hidden),
+            mamba_d_state=_int(d, "mamba_d_state", 256),
+            mamba_n_groups=_int(d, "mamba_n_groups", 1),
+            mamba_d_conv=_int(d, "mamba_d_conv", 4),
+            mamba_expand=_int(d, "mamba_expand", 2),
+            mamba_chunk_size=_int(d, "mamba_chunk_size", 256),
+            mamba_conv_bias=_bool(d, "mamba_conv_bias", True),
+            rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            embedding_multiplier=_float(d, "embedding_multiplier", 1.0),
+            attention_multiplier=_float(d, "attention_multiplier", 1.0),
+            residual_multiplier=_float(d, "residual_multiplier", 1.0),
+            logits_scaling=_float(d, "logits_scaling", 1.0),
             rope_theta=_rope_theta(d),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool(d, "tie_word_embeddings", False),
             time_step_limit=_time_step_limit(d.get("time_step_limit", (0.0, math.inf))),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            bos_token_id=d.get("bos_token_id", 1),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
+            max_position_embeddings=_int(d, "max_position_embeddings", 2048),
+            bos_token_id=_int(d, "bos_token_id", 1, minimum=0, null=None),
+            eos_token_id=_eos_token_ids(d.get("eos_token_id", 2)),
+            pad_token_id=_int(d, "pad_token_id", None, minimum=0, null=None),
         )
 
     @classmethod
@@ -191,12 +194,7 @@ class ModelConfig:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: config.json not found")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_hf_dict(d, source=path)
+        return cls.from_hf_dict(read_json_object(path), source=path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The inverse of `from_hf_dict`: a config.json dict transformers accepts."""
@@ -249,17 +247,18 @@ def _rope_theta(d: dict[str, Any]) -> float | None:
         return None
     if kind != "rope":
         raise ConfigError(f"position_embedding_type: {kind!r} is not supported (expected 'nope', 'rope' or null)")
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or {}
+    params, scaling = _object(d, "rope_parameters"), _object(d, "rope_scaling")
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type != "default":
         raise ConfigError(f"rope_parameters.rope_type: {rope_type!r} is not supported (only 'default')")
-    return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    return _float(params if "rope_theta" in params else d, "rope_theta", 10000.0)
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:
     if value is None:
         return (0.0, math.inf)
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ConfigError(f"time_step_limit: expected [low, high], got {value!r}")
     lo, hi = (_json_float(v) for v in value)
     if not lo <= hi:
         raise ConfigError(f"time_step_limit: {value!r} must be (low, high) with low <= high")
@@ -271,3 +270,131 @@ def _json_float(v: Any) -> float:
     if isinstance(v, dict) and "__float__" in v:
         return float(v["__float__"])
     return float(v)
+
+
+# ---------------------------------------------------------------------------------------------- field readers
+
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "shared_intermediate_size",
+    "mamba_n_heads",
+    "mamba_d_head",
+    "mamba_d_state",
+    "mamba_n_groups",
+    "mamba_d_conv",
+    "mamba_expand",
+    "mamba_chunk_size",
+    "max_position_embeddings",
+)
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+_MISSING = object()
+
+
+def read_json_object(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """The JSON object in the UTF-8 file `path`; `error` naming the file if it is unreadable, not JSON or no object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as e:
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError, or a number or nesting beyond Python's limits
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, *, positive: bool = False, nonzero: bool = False) -> None:
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not math.isfinite(value) or (positive and value <= 0) or (nonzero and value == 0):
+        expected = "a finite number" + (" > 0" if positive else " != 0" if nonzero else "")
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _int(d: dict[str, Any], name: str, default: int | None, *, minimum: int = 1, null: Any = _MISSING) -> Any:
+    """d[name] as an int >= minimum; `null`, if given, stands for a JSON null."""
+    value = d.get(name, default)
+    if value is None and null is not _MISSING:
+        return null
+    return _as_int(name, value, minimum)
+
+
+def _as_int(name: str, value: Any, minimum: int) -> int:
+    """`value` as an int >= minimum; an integral float such as 64.0 is accepted too."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    _check_int(name, value, minimum)
+    return value
+
+
+def _float(d: dict[str, Any], name: str, default: float) -> float:
+    """d[name] as a float: a JSON number (an int too), never a string; finiteness and sign are checked later."""
+    value = d.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _bool(d: dict[str, Any], name: str, default: bool) -> bool:
+    value = d.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
+def _object(d: dict[str, Any], name: str) -> dict[str, Any]:
+    value = d.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: expected an object, got {value!r}")
+    return value
+
+
+def _layer_types(d: dict[str, Any]) -> tuple[str, ...]:
+    n_layers = _int(d, "num_hidden_layers", 32)
+    raw_types = d.get("layer_types") or d.get("layers_block_type") or [MAMBA] * n_layers
+    if not isinstance(raw_types, list | tuple):
+        raise ConfigError(f"layer_types: expected a list of layer types, got {raw_types!r}")
+    if len(raw_types) != n_layers:
+        raise ConfigError(f"layer_types: {len(raw_types)} entries but num_hidden_layers={n_layers}")
+    for i, t in enumerate(raw_types):
+        if not isinstance(t, str) or t not in _LAYER_TYPE_ALIASES:
+            raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r}")
+    return tuple(_LAYER_TYPE_ALIASES[t] for t in raw_types)
+
+
+def _head_dim(d: dict[str, Any], hidden: int, heads: int) -> int:
+    if d.get("head_dim") is not None:
+        return _int(d, "head_dim", None)
+    if hidden % heads:
+        raise ConfigError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; set head_dim")
+    return hidden // heads
+
+
+def _mamba_d_head(d: dict[str, Any], hidden: int) -> int:
+    if d.get("mamba_d_head", "auto") not in ("auto", None):
+        return _int(d, "mamba_d_head", None)
+    return _int(d, "mamba_expand", 2) * hidden // _int(d, "mamba_n_heads", 128)
+
+
+def _eos_token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        return (_as_int("eos_token_id", value, 0),)
+    return tuple(_as_int(f"eos_token_id[{i}]", v, 0) for i, v in enumerate(value))

@@ -11,7 +11,6 @@ refused, never unpickled.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from granite_jax import cpu_kernels
-from granite_jax.config import ModelConfig
+from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.model import Granite, abstract_model
 
 
@@ -130,18 +129,7 @@ def checkpoint_files(model_dir: str | os.PathLike) -> dict[str, tuple[str, ...] 
         raise CheckpointError(f"{d}: model directory not found")
     index = os.path.join(d, "model.safetensors.index.json")
     if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = dict(json.load(f)["weight_map"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        shards: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            shards.setdefault(os.path.join(d, shard), []).append(name)
-        missing = sorted(os.path.basename(s) for s in shards if not os.path.isfile(s))
-        if missing:
-            raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
-        return {path: tuple(names) for path, names in sorted(shards.items())}
+        return _index_shards(index)
     single = os.path.join(d, "model.safetensors")
     if os.path.isfile(single):
         return {single: None}
@@ -153,6 +141,27 @@ def checkpoint_files(model_dir: str | os.PathLike) -> dict[str, tuple[str, ...] 
             "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, safe_serialization=True)"
         )
     raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
+
+
+def _index_shards(index: str) -> dict[str, tuple[str, ...]]:
+    """The shards a `model.safetensors.index.json` names, each with its tensor names; every entry checked."""
+    weight_map = read_json_object(index, CheckpointError).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(
+            f"{index}: weight_map: expected a non-empty object of tensor name -> shard file, got {weight_map!r:.80}"
+        )
+    d = os.path.dirname(index)
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or os.path.basename(shard) != shard:
+            raise CheckpointError(
+                f"{index}: weight_map[{name!r}]: expected the file name of a shard in {d}, got {shard!r}"
+            )
+        shards.setdefault(os.path.join(d, shard), []).append(name)
+    missing = sorted(os.path.basename(s) for s in shards if not os.path.isfile(s))
+    if missing:
+        raise CheckpointError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}")
+    return {path: tuple(names) for path, names in sorted(shards.items())}
 
 
 def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str, str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -106,3 +107,95 @@ def test_from_json_names_the_file(tmp_path):
 def test_released_configs_round_trip_through_hf_dict(name):
     c = released_config(name)
     assert ModelConfig.from_hf_dict(json.loads(json.dumps(c.to_hf_dict()))) == c
+
+
+@pytest.mark.parametrize("text, kind", [("[]", "array"), ("null", "null"), ("64", "number"), ('"x"', "string")])
+def test_from_json_refuses_a_top_level_that_is_not_an_object(tmp_path, text, kind):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"{path}: expected a JSON object, got {kind}$"):
+        ModelConfig.from_json(path)
+
+
+def test_from_json_refuses_a_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(json.dumps(BASE).encode() + b"\n\xff")
+    with pytest.raises(ConfigError, match=f"{path}: not UTF-8 text \\(byte 0xff at offset"):
+        ModelConfig.from_json(path)
+
+
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("num_attention_heads", 0, "a positive integer"),
+        ("num_key_value_heads", 0, "a positive integer"),
+        ("head_dim", 0, "a positive integer"),
+        ("hidden_size", -64, "a positive integer"),
+        ("vocab_size", 1.5, "a positive integer"),
+        ("num_hidden_layers", 0, "a positive integer"),
+        ("shared_intermediate_size", 0, "a positive integer"),
+        ("intermediate_size", 0, "a positive integer"),  # the routed experts' width (8 experts by default)
+        ("max_position_embeddings", 0, "a positive integer"),
+        ("mamba_n_heads", 0, "a positive integer"),
+        ("mamba_d_head", 0, "a positive integer"),
+        ("mamba_d_state", "16", "a positive integer"),
+        ("mamba_n_groups", 0, "a positive integer"),
+        ("mamba_d_conv", 0, "a positive integer"),
+        ("mamba_chunk_size", 0, "a positive integer"),
+        ("mamba_expand", True, "a positive integer"),
+        ("num_local_experts", -1, "an integer >= 0"),
+        ("pad_token_id", "x", "an integer >= 0"),
+        ("eos_token_id", "x", "an integer >= 0"),
+    ],
+)
+def test_sizes_must_be_positive_integers(field, value, expected):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {field}: expected {expected}, got {value!r}")):
+        cfg(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(rms_norm_eps=math.nan), "rms_norm_eps: expected a finite number > 0, got nan"),
+        (dict(rms_norm_eps=-1.0), "rms_norm_eps: expected a finite number > 0, got -1.0"),
+        (dict(rms_norm_eps=0), "rms_norm_eps: expected a finite number > 0, got 0.0"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps: expected a number, got '1e-5'"),
+        (dict(logits_scaling=0), "logits_scaling: expected a finite number != 0, got 0.0"),
+        (dict(logits_scaling=math.inf), "logits_scaling: expected a finite number != 0, got inf"),
+        (dict(embedding_multiplier=math.nan), "embedding_multiplier: expected a finite number, got nan"),
+        (dict(residual_multiplier=-math.inf), "residual_multiplier: expected a finite number, got -inf"),
+        (dict(attention_multiplier=None), "attention_multiplier: expected a number, got None"),
+        (dict(position_embedding_type="rope", rope_theta=0), "rope_theta: expected a finite number > 0, got 0.0"),
+        (dict(position_embedding_type="rope", rope_parameters=[1]), "rope_parameters: expected an object, got [1]"),
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings: expected true or false, got 'false'"),
+        (dict(eos_token_id=[1, "a"]), "eos_token_id[1]: expected an integer >= 0, got 'a'"),
+        (dict(layer_types="mamba"), "layer_types: expected a list of layer types, got 'mamba'"),
+        (dict(time_step_limit=5), "time_step_limit: expected [low, high], got 5"),
+    ],
+)
+def test_scalars_must_be_finite_numbers_of_the_right_sign(fields, message):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {message}")):
+        cfg(**fields)
+
+
+def test_integral_numbers_and_dense_defaults_are_accepted():
+    c = cfg(rms_norm_eps=1, logits_scaling=-2, hidden_size=64.0, num_key_value_heads=None, eos_token_id=[0, 2])
+    assert c.rms_norm_eps == 1.0 and isinstance(c.rms_norm_eps, float) and c.logits_scaling == -2.0
+    assert c.hidden_size == 64 and isinstance(c.hidden_size, int) and c.num_key_value_heads == 4
+    assert c.eos_token_id == (0, 2)
+    dense = cfg(num_local_experts=0, num_experts_per_tok=0, intermediate_size=0)  # the routed width is unused
+    assert dense.num_local_experts == 0 and dense.intermediate_size == 0
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(mamba_chunk_size=0), "mamba_chunk_size: expected a positive integer, got 0"),
+        (dict(num_key_value_heads=0), "num_key_value_heads: expected a positive integer, got 0"),
+        (dict(layer_types=()), "layer_types: empty"),
+        (dict(rms_norm_eps=math.nan), "rms_norm_eps: expected a finite number > 0, got nan"),
+    ],
+)
+def test_direct_construction_is_validated_too(changes, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg().replace(**changes)

@@ -81,6 +81,14 @@ def test_non_empty_output_refused(tiny_checkpoint, tmp_path, capsys):
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
+def test_output_that_cannot_be_created_is_refused_before_loading(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(convert, "load_model", lambda *a, **k: pytest.fail("loaded before checking the output"))
+    assert convert.main(["--model", tiny_checkpoint, "--out", str(tmp_path / "a_file" / "sub" / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cannot create it in {tmp_path / 'a_file'}" in err, err
+
+
 def test_empty_output_dir_accepted(tiny_checkpoint, tmp_path):
     out = tmp_path / "empty"
     out.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from granite_jax import cpu_kernels
+from granite_jax.checkpoint import MARKER
 from granite_jax.config import ConfigError
 from granite_jax.params import CheckpointError, auto_weight_dtype, load_model, map_name, stored_dtype
 
@@ -198,4 +200,41 @@ def test_index_decides_which_shard_holds_each_tensor(tiny_checkpoint, tmp_path):
     with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
         json.dump({"weight_map": weight_map}, f)
     with pytest.raises(CheckpointError, match=r"extra.safetensors: no tensor 'model.layers.0.mamba.D', though"):
+        load_model(d)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            b'{"weight_map": {"model.norm.weight": 5}}',
+            "weight_map['model.norm.weight']: expected the file name of a shard",
+        ),
+        (b'{"weight_map": {"model.norm.weight": "../model.safetensors"}}', "got '../model.safetensors'"),
+        (b'{"weight_map": {"model.norm.weight": ""}}', "weight_map['model.norm.weight']: expected the file name"),
+        (b'{"weight_map": {}}', "weight_map: expected a non-empty object of tensor name -> shard file, got {}"),
+        (b'{"metadata": {}}', "weight_map: expected a non-empty object of tensor name -> shard file, got None"),
+        (b"[1, 2]", "expected a JSON object, got array"),
+        (b'{"weight_map": {}}\xff', "not UTF-8 text (byte 0xff at offset 18)"),
+        (b'{"weight_map": ', "not valid JSON"),
+    ],
+)
+def test_bad_index_is_named_with_the_entry(tiny_checkpoint, tmp_path, content, message):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    index = os.path.join(d, "model.safetensors.index.json")
+    with open(index, "wb") as f:
+        f.write(content)
+    with pytest.raises(CheckpointError, match=re.escape(f"{index}: ") + ".*" + re.escape(message)):
+        load_model(d)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(b"[1]", "expected a JSON object, got array"), (b"\xff", "not UTF-8 text"), (b"{", "not valid JSON")],
+)
+def test_bad_orbax_marker_is_named(tmp_path, content, message):
+    d = tmp_path / "orbax"
+    (d / "state").mkdir(parents=True)
+    (d / MARKER).write_bytes(content)
+    with pytest.raises(CheckpointError, match=re.escape(f"{d / MARKER}: {message}")):
         load_model(d)
