@@ -35,10 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    from granite_jax.cli import ArgumentParser, output_file_problem
+    from granite_jax.presets import RELEASED
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument(
+        "--shape",
+        default="granite-4.0-h-350m",
+        choices=sorted(RELEASED),
+        metavar="NAME",
+        help=f"weight shapes of this released architecture: {', '.join(sorted(RELEASED))}",
     )
-    p.add_argument("--shape", default="granite-4.0-h-350m", help="weight shapes of this released architecture")
     p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)")
     p.add_argument(
         "--expert-tokens", default="1,2,4,8,128", help="comma-separated tokens through the experts (decode, prefill)"
@@ -63,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need 1 <= rows <= 16 (the kernels' range), --chain-mib >= 1 and --repeats >= 1")
     if not all(t >= 1 for t in args.expert_tokens):
         p.error(f"--expert-tokens must be positive, got {args.expert_tokens}")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"--json {args.json}: the parent directory does not exist")
+    if (problem := output_file_problem("--json", args.json)) is not None:
+        p.error(problem)
     return args
 
 

@@ -466,31 +466,67 @@ def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceiling
 # ---------------------------------------------------------------------------------------------- main
 
 
+IMPLS = ("naive", "rewritten", "xla", "pallas", "pallas_y16")  # what --skip may name
+LENGTHS = "2048,8192,32768"  # --lengths' default (--smoke times SMOKE_LENGTHS instead)
+SMOKE_LENGTHS = [40, 100]
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+    """Help texts as written (line breaks kept), and every flag's default."""
+
+
+def implementations(text: str) -> frozenset[str]:
+    """argparse type: comma-separated names from IMPLS ('' for none)."""
+    names = frozenset(filter(None, text.split(",")))
+    if unknown := sorted(names - set(IMPLS)):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} (choose from {', '.join(IMPLS)})")
+    return names
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--lengths", default="2048,8192,32768", help="comma-separated L for the SSD and layer timings")
-    p.add_argument("--batch", type=int, default=1)
+    from granite_jax.cli import ArgumentParser, output_file_problem, positive_float, positive_int, positive_ints
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Formatter)
+    p.add_argument(
+        "--lengths",
+        type=positive_ints,
+        default=LENGTHS,
+        help="comma-separated L for the SSD and layer timings (not with --smoke, which times L = 40 and 100)",
+    )
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size of the SSD, layer and sweep timings")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="x, B, C, dt dtype")
     p.add_argument("--naive-max-len", type=int, default=8192, help="time naive/rewritten only up to this L")
     p.add_argument(
         "--skip",
+        type=implementations,
         default="naive",
-        help="comma-separated implementations to leave out (naive, rewritten, xla, pallas, pallas_y16; '' for none).\n"
-        "Default 'naive': XLA's GPU compilation of it ran past 5 minutes at L=2048 on an H200 machine (2026-11-30)",
+        help=f"comma-separated implementations to leave out ({', '.join(IMPLS)}; '' for none).\n"
+        "naive by default: XLA's GPU compilation of it ran past 5 minutes at L=2048 on an H200 machine (2026-11-30)",
     )
     p.add_argument("--budget-seconds", type=float, default=540, help="skip what is left after this many seconds")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
     p.add_argument("--no-split", action="store_true", help="skip timing the Pallas prefill's two kernels apart")
     p.add_argument("--sweep", action="store_true", help="also time a few PrefillConfig tilings at --sweep-len")
-    p.add_argument("--sweep-len", type=int, default=8192)
-    p.add_argument("--decode-batches", default="1,64", help="batch sizes for the decode update timings")
+    p.add_argument(
+        "--sweep-len", type=positive_int, default=8192, help="L of the --sweep timings (--smoke always uses 40)"
+    )
+    p.add_argument(
+        "--decode-batches", type=positive_ints, default="1,64", help="batch sizes for the decode update timings"
+    )
     p.add_argument("--min-seconds", type=float, default=0.3, help="timing budget per measurement")
-    p.add_argument("--peak-tflops", type=float, default=H200["peak_tflops"], help="dense bf16 ceiling (H200: 990)")
-    p.add_argument("--peak-gbs", type=float, default=H200["peak_gbs"], help="HBM ceiling in GB/s (H200: 4800)")
-    p.add_argument("--out", help="write the JSON results here (also printed at the end)")
+    p.add_argument(
+        "--peak-tflops", type=positive_float, default=H200["peak_tflops"], help="dense bf16 ceiling (H200: 990)"
+    )
+    p.add_argument("--peak-gbs", type=positive_float, default=H200["peak_gbs"], help="HBM ceiling in GB/s (H200: 4800)")
+    p.add_argument("--out", help="write the JSON results here (also printed at the end), and the PNG chart beside it")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU with interpreted kernels (script check)")
     p.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (beside it); no GPU")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke and args.lengths != positive_ints(LENGTHS):
+        p.error("--lengths does not apply with --smoke (it times L = 40 and 100)")
+    if not args.replot and (problem := output_file_problem("--out", args.out, make_dir=True)) is not None:
+        p.error(problem)
+    return args
 
 
 def environment() -> dict:
@@ -548,28 +584,10 @@ def png_path(out: str) -> str:
     return os.path.splitext(out)[0] + ".png"
 
 
-def check_out_path(out: str | None) -> str | None:
-    """Refuse an --out path that cannot be written before any work (a late failure would lose the run)."""
-    if not out:
-        return None
-    if os.path.isdir(out):
-        return f"--out {out}: is a directory; give a file name"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    except OSError as e:
-        return f"--out {out}: cannot create its directory ({e.strerror})"
-    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
-        return f"--out {out}: its directory is not writable"
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replot:
         return replot(args.replot)
-    if (problem := check_out_path(args.out)) is not None:
-        print(problem, file=sys.stderr)
-        return 2
     dtype = jnp.dtype(args.dtype)
     ceilings = dict(peak_tflops=args.peak_tflops, peak_gbs=args.peak_gbs)
     env = environment()
@@ -578,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: run with --smoke to check the script on CPU", file=sys.stderr)
         return 2
     dims = SMOKE if args.smoke else H_TINY
-    lengths = [int(v) for v in args.lengths.split(",")] if not args.smoke else [40, 100]
-    skip = frozenset(filter(None, args.skip.split(",")))
+    lengths = SMOKE_LENGTHS if args.smoke else args.lengths
+    skip = args.skip
     started = time.perf_counter()
     _DEADLINE[0] = started + args.budget_seconds
     results: list[dict] = []
@@ -600,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench_split(d, dtype, args.min_seconds)
             if not args.no_layer:
                 results += bench_layer(d, dtype, ceilings, args.min_seconds, args.smoke, naive, skip)
-        batches = [int(v) for v in args.decode_batches.split(",")]
-        results += bench_decode(Dims(b=1, L=1, **dims), dtype, batches, args.min_seconds, ceilings)
+        results += bench_decode(Dims(b=1, L=1, **dims), dtype, args.decode_batches, args.min_seconds, ceilings)
         if args.sweep:
             sweep_dims = Dims(b=args.batch, L=40 if args.smoke else args.sweep_len, **dims)
             results += bench_sweep(sweep_dims, dtype, ceilings, args.min_seconds)

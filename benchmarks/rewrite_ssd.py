@@ -5,7 +5,7 @@ For each length: XLA's compiled temporary memory (`memory_analysis().temp_size_i
 wall time per call (min and median of interleaved repetitions, so background load hits all three alike), and XLA's
 own FLOP count of the compiled program (`cost_analysis()`), which no background load disturbs.
 
-    python benchmarks/rewrite_ssd.py --lengths 512 2048 8192 --json benchmarks/rewrite_ssd.json
+    python benchmarks/rewrite_ssd.py --lengths 512 2048 8192 --json benchmarks/results/rewrite-ssd-$(date +%F).json
 """
 
 from __future__ import annotations
@@ -25,33 +25,45 @@ import numpy as np
 from tqdm import tqdm
 
 import rewriter
+from granite_jax.cli import ArgumentParser, output_file_problem, positive_int
 from granite_jax.generate import available_memory
 from granite_jax.ssd import ssd_chunked, ssd_chunked_naive
 
 IMPLS = ("naive", "rewritten", "xla")
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The docstring as written, and every flag's default."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths L")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=48)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--state", type=int, default=128)
-    p.add_argument("--groups", type=int, default=1)
-    p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--reps", type=int, default=7, help="timed calls of the rewritten and xla SSDs per length")
-    p.add_argument("--naive-reps", type=int, default=2, help="timed calls of the naive SSD per length")
+    p = ArgumentParser(
+        description=__doc__, formatter_class=_Formatter
+    )  # an error is one line (no usage block), exit code 2
+    p.add_argument("--lengths", type=positive_int, nargs="+", default=[512, 2048, 8192], help="sequence lengths L")
+    p.add_argument("--batch", type=positive_int, default=1, help="batch size b")
+    p.add_argument("--heads", type=positive_int, default=48, help="SSM heads h (a multiple of --groups)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="head dimension p")
+    p.add_argument("--state", type=positive_int, default=128, help="state size n")
+    p.add_argument("--groups", type=positive_int, default=1, help="groups g of B and C, each shared by h / g heads")
+    p.add_argument("--chunk", type=positive_int, default=256, help="chunk size of the chunked SSD")
+    p.add_argument("--reps", type=positive_int, default=7, help="timed calls of the rewritten and xla SSDs per length")
+    p.add_argument("--naive-reps", type=positive_int, default=2, help="timed calls of the naive SSD per length")
     p.add_argument(
         "--max-naive-seconds",
         type=float,
         default=300.0,
         help="skip the naive SSD at a length where one call is predicted (linearly in L) to take longer",
     )
-    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results here")
     args = p.parse_args(argv)
-    if min(args.lengths) < 1 or args.reps < 1 or args.naive_reps < 1 or args.batch < 1:
-        p.error("lengths, batch, reps and naive-reps must be >= 1")
+    if args.heads % args.groups:
+        p.error(
+            f"--heads must be a multiple of --groups (each group is shared by h / g heads): {args.heads} heads, "
+            f"{args.groups} groups"
+        )
+    if (problem := output_file_problem("--json", args.json)) is not None:
+        p.error(problem)
     return args
 
 

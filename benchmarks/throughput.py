@@ -27,28 +27,35 @@ from tqdm.auto import tqdm
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int, positive_ints
+
+    p = ArgumentParser(
         description=__doc__.split("\n\n")[0] + " Prints a table (and, with --json, a JSON document).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--shape", default="granite-4.0-h-350m", help="random weights of this released architecture")
     p.add_argument(
-        "--layers", type=int, default=None, help="with --shape: N layers, same share of attention (a quicker run)"
+        "--layers",
+        type=positive_int,
+        default=None,
+        help="with --shape: N layers, same share of attention (a quicker run; None: all of the shape's)",
     )
     p.add_argument("--checkpoint", default=None, help="use this checkpoint directory (HF or orbax) instead")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence")
+    p.add_argument("--prompt-len", type=positive_int, default=256, help="prompt tokens per sequence")
     p.add_argument("--new-tokens", type=int, default=17, help="generated tokens per sequence (the first is prefill's)")
-    p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--batch-sizes", type=positive_ints, default="1,8", help="comma-separated batch sizes")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights and activations")
     p.add_argument(
         "--weight-dtype",
         choices=["float32", "bfloat16"],
         default=None,
         help="keep granite-jax's weights in this dtype instead (bfloat16 with --dtype float32: float32 arithmetic on "
-        "bfloat16 weights; transformers reads the same values when the weights are random or stored in bfloat16). "
-        "Default: --dtype",
+        "bfloat16 weights; transformers reads the same values when the weights are random or stored in bfloat16; "
+        "None: --dtype)",
     )
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, after a warm-up (best kept)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=2, help="timed runs per measurement, after a warm-up (best kept)"
+    )
     p.add_argument("--skip-transformers", action="store_true", help="measure granite-jax only")
     p.add_argument(
         "--floor-pairs",
@@ -62,15 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
     args = p.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    if args.new_tokens < 2 or args.prompt_len < 1 or min(args.batch_sizes) < 1 or args.floor_pairs < 0:
-        p.error("need --new-tokens >= 2, --prompt-len >= 1, batch sizes >= 1 and --floor-pairs >= 0")
+    if args.new_tokens < 2:
+        p.error(f"need --new-tokens >= 2 (the first token is prefill's; decode times the rest), got {args.new_tokens}")
+    if args.floor_pairs < 0:
+        p.error(f"need --floor-pairs >= 0, got {args.floor_pairs}")
     if args.checkpoint and args.layers is not None:
         p.error("--layers applies to random weights (--shape) only")
     if args.probe_mib < 1:
         p.error(f"--probe-mib must be >= 1, got {args.probe_mib}")
-    if args.json not in (None, "-") and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        p.error(f"--json {args.json}: the directory does not exist")
+    if (problem := output_file_problem("--json", args.json)) is not None:
+        p.error(problem)
     return args
 
 

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from granite_jax import cli
 from granite_jax.checkpoint import is_orbax_checkpoint
 from granite_jax.config import ConfigError
 from granite_jax.experiments.common import (
@@ -52,6 +53,7 @@ from granite_jax.experiments.common import (
 )
 from granite_jax.model import Granite
 from granite_jax.params import CheckpointError
+from granite_jax.sampling import GenerationError
 
 PROMPTS = (
     "The Granite 4.0 models mix Mamba-2 layers with a few attention layers, so that",
@@ -91,7 +93,9 @@ def load_pair(
     quiet_transformers()
     model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
     hf = hf_model(model, spec.checkpoint, dtype)
-    return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint))
+    from granite_jax.generate import load_tokenizer
+
+    return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint) if spec.checkpoint else None)
 
 
 def hf_model(model: Granite, checkpoint: str | None, dtype: str):
@@ -111,14 +115,6 @@ def hf_model(model: Granite, checkpoint: str | None, dtype: str):
         return GraniteMoeHybridForCausalLM.from_pretrained(tmp, dtype=torch_dtype).eval()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_tokenizer(checkpoint: str | None):
-    if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "tokenizer.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
 
 
 def quiet_transformers() -> None:
@@ -440,13 +436,8 @@ def plot_speed(ax, speeds: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit code 2 (argparse prints the usage too)
-        self.exit(2, f"granite_jax.compare: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = cli.ArgumentParser(
         prog="python -m granite_jax.compare",
         description="Load the same weights into transformers' GraniteMoeHybridForCausalLM and into granite-jax, run "
         "the same prompts, and print one table: per-layer max and relative error, greedy continuation agreement, "
@@ -505,6 +496,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     ):
         if value < 1:
             raise ExperimentError(f"{name}: must be {'>= 2' if name == '--new-tokens' else 'positive'}")
+    if args.seed < 0:
+        raise ExperimentError(f"--seed: must be >= 0, got {args.seed}")
     return Options(
         error_len=args.error_len,
         agreement_tokens=args.agreement_tokens,
@@ -527,19 +520,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     log = None if args.quiet else (lambda m: print(f"[{time.perf_counter() - start:6.1f}s] {m}", file=sys.stderr))
+    out, created = None, False
     try:
         if args.model and args.num_layers is not None:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
         set_torch_threads(args.torch_threads, "--torch-threads")
         out = args.out or _default_out(args)
+        created = not os.path.exists(out)
         prepare_output_dir(out, "--out")
         spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
         _log(log, f"loading {spec.describe()} into granite-jax and transformers")
         with torch_matmul_precision(args.dtype):
             pair = load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype, ssd_impl=args.ssd_impl)
             results = run_compare(pair, options, log)
-    except (ExperimentError, CheckpointError, ConfigError) as e:
+    except (ExperimentError, CheckpointError, ConfigError, GenerationError) as e:
+        if created and os.path.isdir(out) and not os.listdir(out):  # a failed run leaves no empty directory behind
+            os.rmdir(out)
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)
         return 2
     results["command"] = "python -m granite_jax.compare " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
+from granite_jax import cli
 from granite_jax.checkpoint import check_writable, is_orbax_checkpoint, save_checkpoint
 from granite_jax.config import ConfigError
 from granite_jax.model import Granite
@@ -115,13 +116,8 @@ def export_safetensors(model: Granite, out_dir: str | os.PathLike, *, dtype: str
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit code 2 (argparse prints the usage too)
-        self.exit(2, f"granite_jax.convert: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = cli.ArgumentParser(
         prog="python -m granite_jax.convert",
         description="Convert a Hugging Face GraniteMoeHybrid checkpoint (safetensors) into a granite-jax orbax "
         "checkpoint, with config.json and the tokenizer copied beside it. The result is written into a temporary "

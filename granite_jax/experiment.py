@@ -25,12 +25,13 @@ from typing import Any, NoReturn
 from absl import app
 from ml_collections import config_flags
 
-from granite_jax import config_cli
+from granite_jax.cli import fail, flags_parser
 from granite_jax.config import ConfigError
 from granite_jax.experiments.common import (
     ExperimentError,
     Result,
     check_measure,
+    check_model,
     check_workload,
     environment,
     markdown_table,
@@ -49,30 +50,41 @@ EXPERIMENTS = {
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     None,
-    "Experiment config file, e.g. configs/experiments/scaling.py (text after ':' is passed to its get_config). "
+    "Experiment config file, e.g. configs/experiments/scaling.py; FILE:quick runs a tiny model in seconds. "
     "Override any field with --config.SECTION.FIELD=VALUE: --config.model.checkpoint=DIR (HF or orbax), "
-    "--config.model.name=granite-4.0-h-350m (random weights), --config.model.num_layers=N, --config.workload.batch=N, "
-    "--config.workload.seq_len=N, --config.workload.seq_lens='(256,1024)', --config.workload.new_tokens=N, "
-    "--config.workload.dtype=bfloat16, --config.workload.weight_dtype=bfloat16 (weights only, under dtype float32), "
-    "--config.workload.ssd_impl=naive|xla|pallas, --config.workload.rewriter, "
-    "--config.measure.repeats=N, --config.output_dir=DIR. See docs/experiments.md.",
+    "--config.model.name=granite-4.0-h-350m (random weights), --config.model.num_layers=N, --config.model.seed=N, "
+    "--config.workload.batch=N, --config.workload.seq_len=N, --config.workload.seq_lens='(256,1024)', "
+    "--config.workload.new_tokens=N, --config.workload.dtype=bfloat16, --config.workload.weight_dtype=bfloat16 "
+    "(weights only, under dtype float32), --config.workload.ssd_impl=naive|xla|pallas, --config.workload.rewriter, "
+    "--config.measure.repeats=N, --config.measure.warmup=N, --config.output_dir=DIR. Per experiment: parity "
+    "measure.tolerance; rewrite measure.naive_repeats, measure.max_naive_seconds; throughput workload.batch_sizes, "
+    "measure.transformers, measure.floor_probe_mib, measure.floor_pairs, measure.torch_threads. "
+    "See docs/experiments.md.",
     lock_config=True,
 )
 PROG = "granite_jax.experiment"
+REQUIRED = ("experiment", "model", "workload", "measure", "output_dir")  # the fields of `default_config`
 
 
 def run(config) -> str:
     """Run the experiment `config` describes; write results.json, results.md and plots. Returns the output dir."""
     if config.experiment not in EXPERIMENTS:
         raise ExperimentError(f"experiment: {config.experiment!r} is not one of {', '.join(EXPERIMENTS)}")
+    check_model(config.model)
     check_workload(config.workload)
     check_measure(config.measure)
     out = config.output_dir or os.path.join("runs", f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
+    created = not os.path.exists(out)
     prepare_output_dir(out, "output_dir")
     module = importlib.import_module(EXPERIMENTS[config.experiment])
     start = time.perf_counter()
-    with torch_matmul_precision(config.workload.dtype):
-        result: Result = module.run(config)
+    try:
+        with torch_matmul_precision(config.workload.dtype):
+            result: Result = module.run(config)
+    except BaseException:
+        if created and not os.listdir(out):  # a failed run leaves no empty directory behind
+            os.rmdir(out)
+        raise
     elapsed = time.perf_counter() - start
     plots = [name for name, draw in result.plots.items() if draw(os.path.join(out, name)) is not False]
     write_json(os.path.join(out, "results.json"), _record(config, result, plots, elapsed))
@@ -132,7 +144,7 @@ def _params(model: dict[str, Any]) -> str:
 
 
 def _fail(message: str) -> NoReturn:
-    config_cli.fail(PROG, message)
+    fail(PROG, message)
 
 
 def main(argv: list[str]) -> None:
@@ -151,7 +163,7 @@ def main(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    app.run(main, flags_parser=config_cli.flags_parser(PROG, _CONFIG))
+    app.run(main, flags_parser=flags_parser(PROG, _CONFIG, REQUIRED, "an experiment"))
 
 
 if __name__ == "__main__":

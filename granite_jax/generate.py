@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from granite_jax import cpu_kernels
+from granite_jax import cli, cpu_kernels
 from granite_jax.config import ATTENTION, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, weight_dtype
 from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
@@ -91,7 +91,7 @@ class Result:
     prompt_ids: tuple[int, ...]
     token_ids: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop_token" | "stop_string" | "length"
+    finish_reason: str  # "stop_token" | "stop_string" | "length" | "max_position" (a RoPE model's last position)
     timing: Timing  # of the whole batch this prompt ran in
 
     def as_dict(self) -> dict[str, Any]:
@@ -184,6 +184,17 @@ def available_memory() -> int | None:
     return None
 
 
+def free_memory() -> int | None:
+    """Bytes free on the default device: an accelerator's memory statistics, else the host's `available_memory`."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # backends without memory statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return available_memory()
+
+
 # ---------------------------------------------------------------------------------------------- jitted steps
 
 
@@ -216,9 +227,10 @@ def _decode_step(graphdef, treedef, weights, cache: Cache, tokens, params: Sampl
 class _RowStream:
     """One row's generated tokens: incremental detokenization, stop token/string detection, streamed text."""
 
-    def __init__(self, row: int, tokenizer, stop_ids: frozenset[int], stop_strings: tuple[str, ...], callback):
+    def __init__(self, row: int, tokenizer, stop_ids, stop_strings: tuple[str, ...], callback, at_max_position=False):
         self.row, self.tokenizer, self.stop_ids, self.stop_strings = row, tokenizer, stop_ids, stop_strings
         self.callback = callback
+        self.length_reason = "max_position" if at_max_position else "length"
         self.ids: list[int] = []
         self.text = ""
         self.emitted = 0  # characters of text already streamed
@@ -240,7 +252,7 @@ class _RowStream:
     def finish(self) -> None:
         """Mark the row finished by length (if still running), settle the final text and stream the rest."""
         if self.finish_reason is None:
-            self.finish_reason = "length"
+            self.finish_reason = self.length_reason
         if self.tokenizer is not None:
             ids = self.ids[:-1] if self.finish_reason == "stop_token" else self.ids
             self.text = _cut_at_stop(self._decode(ids), self.stop_strings)
@@ -308,8 +320,9 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
     try:
         return AutoTokenizer.from_pretrained(d, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{d}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # transformers raises many types for broken tokenizer or config files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {first})") from None
 
 
 class Generator:
@@ -405,8 +418,12 @@ class Generator:
             raise GenerationError("stop_strings need a tokenizer, and this model directory has none")
         layout = self.layout([len(ids) for ids in prompt_ids], sampling.max_new_tokens)
         stop_ids = frozenset(self.cfg.eos_token_id if sampling.stop_token_ids is None else sampling.stop_token_ids)
+        if beyond := sorted(i for i in stop_ids if i >= self.cfg.vocab_size):
+            raise GenerationError(f"stop token id {beyond[0]} is outside [0, vocab_size={self.cfg.vocab_size})")
+        # A RoPE model stops at max_position_embeddings (`layout`): such a row ends by "max_position", not "length".
+        cut = layout.max_new_tokens < sampling.max_new_tokens
         rows = [
-            _RowStream(i, self.tokenizer, stop_ids, sampling.stop_strings, stream_callback)
+            _RowStream(i, self.tokenizer, stop_ids, sampling.stop_strings, stream_callback, cut)
             for i in range(layout.batch_size)
         ]
         timing = self._run(prompt_ids, layout, sampling, rows)
@@ -457,8 +474,22 @@ class Generator:
             cache_len = self.max_cache_len
         else:
             cache_len = cache_bucket(need, self.min_cache_len)
+        self._check_cache_fits(len(lengths), cache_len)
         segment = padded if padded <= self.prefill_chunk else self.prefill_chunk
         return BatchLayout(tuple(lengths), padded, segment, cache_len, max_new_tokens)
+
+    def _check_cache_fits(self, batch: int, cache_len: int) -> None:
+        """A KV cache larger than the memory free on the device is refused before it is allocated."""
+        cfg = self.cfg
+        layers = cfg.layer_types.count(ATTENTION)
+        itemsize = jnp.dtype(self.model.dtype).itemsize
+        need = 2 * layers * batch * cfg.num_key_value_heads * cache_len * cfg.head_dim * itemsize
+        free = free_memory()
+        if free is not None and need > free:
+            raise GenerationError(
+                f"the KV cache for {batch} sequence(s) of up to {cache_len} tokens needs {need / 1e9:.1f} GB, more "
+                f"than the {free / 1e9:.1f} GB free: lower max_new_tokens (or max_cache_len), or shorten the prompts"
+            )
 
     def prefill(self, prompts: Prompts, sampling: SamplingConfig | None = None) -> tuple[jax.Array, jax.Array, Cache]:
         """Prefill prompts (in segments of `prefill_chunk`): (last-position logits (b, V), first tokens (b,), cache)."""
@@ -497,6 +528,8 @@ class Generator:
     def _tokenize(self, index: int, prompt: str, chat: bool, system: str | None) -> list[int]:
         if not prompt:
             raise GenerationError(f"prompt {index + 1} is empty")
+        for name, text in ((f"prompt {index + 1}", prompt), ("the system message", system or "")):
+            _check_utf8(name, text)
         if self.tokenizer is None:
             raise GenerationError(
                 f"{self.model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); pass token ids"
@@ -513,6 +546,12 @@ class Generator:
             ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise GenerationError(f"prompt {index + 1} is empty after tokenization")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise GenerationError(
+                f"prompt {index + 1}: the tokenizer gave token id {bad[0]}, outside [0, vocab_size="
+                f"{self.cfg.vocab_size}) of the model: the tokenizer files do not match this checkpoint"
+            )
         return list(ids)
 
     def _check_ids(self, index: int, ids) -> list[int]:
@@ -653,6 +692,14 @@ class Generator:
         return len(live)
 
 
+def _check_utf8(name: str, text: str) -> None:
+    """Text from argv or a file read with surrogateescape can hold bytes that are not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{name} is not valid UTF-8 text (at character {e.start})") from None
+
+
 def has_attention(cfg: ModelConfig) -> bool:
     return ATTENTION in cfg.layer_types
 
@@ -686,13 +733,8 @@ def generate(model_dir: str | os.PathLike | None, prompt: Prompts, **kwargs: Any
 # ---------------------------------------------------------------------------------------------- command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit code 2 (argparse's default prints the usage too)
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = cli.ArgumentParser(
         prog="python -m granite_jax.generate",
         description="Generate text with a Granite 4.0 (GraniteMoeHybrid) checkpoint in JAX. "
         "Prompts come from --prompt, --prompt-file or, if neither is given, standard input (one prompt). "
@@ -758,7 +800,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ID",
         help="stop a sequence at this token id (repeatable); replaces the model's eos_token_id",
     )
-    s.add_argument("--ignore-eos", action="store_true", help="do not stop at eos_token_id (always --max-new-tokens)")
+    s.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="do not stop at eos_token_id (always --max-new-tokens, or up to max_position_embeddings on a RoPE model)",
+    )
     r = p.add_argument_group("runtime")
     r.add_argument(
         "--dtype",

@@ -64,8 +64,8 @@ class SamplingConfig:
             _check(not bad, f"stop_token_ids must be integers >= 0, got {bad[0]!r}" if bad else "")
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         strings = _as_tuple(self.stop_strings, "stop_strings")
-        bad = [s for s in strings if not (isinstance(s, str) and s)]
-        _check(not bad, f"stop_strings must be non-empty strings, got {bad[0]!r}" if bad else "")
+        bad = [s for s in strings if not (isinstance(s, str) and s and _is_utf8(s))]
+        _check(not bad, f"stop_strings must be non-empty UTF-8 strings, got {bad[0]!r}" if bad else "")
         object.__setattr__(self, "stop_strings", strings)
 
     @property
@@ -96,6 +96,14 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: bytes from argv or a file that were not UTF-8
+        return False
+    return True
 
 
 def _as_tuple(x, name: str) -> tuple:

@@ -1,7 +1,7 @@
 """Command line: print (and optionally save) the rewriter's report for a granite-jax model part, built abstractly.
 
-    python -m rewriter.report --config configs/rewriter/h_tiny_mamba.py --config.batch=1 --config.seq_len=8192 \
-        [--config.json_out=report.json] [--config.target=ssd|mamba_layer|model]
+    python -m rewriter.report --config configs/rewriter/h_tiny_mamba.py --config.seq_len=8192
+    python -m rewriter.report --config configs/rewriter/h_tiny_mamba.py --config.target=model --config.json_out=r.json
 
 Parameters and inputs are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`), so a report at full model size allocates
 nothing. This module is the only part of the package that knows about granite-jax; the rewriter itself finds the
@@ -12,7 +12,6 @@ range ends with one line and exit code 2.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from absl import app, flags
 from ml_collections import config_dict, config_flags
 
-from granite_jax import config_cli
+from granite_jax import cli
 from granite_jax.config import ConfigError
 from rewriter.api import analyze
 from rewriter.options import Options
@@ -29,16 +28,25 @@ from rewriter.site import Report
 
 TARGETS = ("mamba_layer", "ssd", "model")
 PROG = "rewriter.report"
-logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # absl's handler would print backend probing
+MAMBA_DIMS = ("hidden_size", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size")
+FIELDS = ("model", "target", "batch", "seq_len", "dtype", *MAMBA_DIMS, "min_flops", "min_dim", "fuse_chains")
+FIELDS += ("precision", "json_out")
+CONFIG_HELP = (
+    "Report config file, e.g. configs/rewriter/h_tiny_mamba.py. Override any field with --config.FIELD=VALUE: "
+    "model (a granite_jax.presets name supplying the architecture), target (mamba_layer: one naive Mamba-2 layer; "
+    "ssd: the naive SSD function alone; model: the whole language model), batch, seq_len, dtype (float32, bfloat16, "
+    "float16), the Mamba dims (hidden_size, mamba_n_heads, mamba_d_head, mamba_d_state, mamba_n_groups, "
+    "mamba_chunk_size), the rewriter options (min_flops, min_dim: unset for the backend's default, fuse_chains, "
+    "precision) and json_out (also save the report as JSON there). See docs/rewriter.md."
+)
 
 
 def model_config(c: config_dict.ConfigDict):
     """The preset architecture with the config's Mamba dims, running the naive SSD."""
     from granite_jax.presets import released_config
 
-    fields = ("hidden_size", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size")
     try:
-        return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in fields})
+        return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in MAMBA_DIMS})
     except KeyError as e:
         raise ValueError(f"--config.model: {e.args[0]}") from None
 
@@ -96,14 +104,16 @@ def report_for(c: config_dict.ConfigDict) -> Report:
 
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
-        config_cli.fail(PROG, f"unexpected arguments: {' '.join(argv[1:])}")
+        cli.fail(PROG, f"unexpected arguments: {' '.join(argv[1:])}")
     c = flags.FLAGS.config
     if c is None:
-        config_cli.fail(PROG, "--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
+        cli.fail(PROG, "--config is required, e.g. --config configs/rewriter/h_tiny_mamba.py")
+    if (problem := cli.output_file_problem("--config.json_out", c.json_out)) is not None:
+        cli.fail(PROG, problem)
     try:
         report = report_for(c)
     except (ValueError, ConfigError) as e:
-        config_cli.fail(PROG, str(e))
+        cli.fail(PROG, str(e))
     print(report)
     if c.json_out:
         report.to_json(c.json_out)
@@ -112,5 +122,5 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # Defined only when run as a command, so importing this module next to other absl commands defines no flags.
-    config = config_flags.DEFINE_config_file("config", None, "Report config (e.g. configs/rewriter/h_tiny_mamba.py).")
-    app.run(main, flags_parser=config_cli.flags_parser(PROG, config))
+    config = config_flags.DEFINE_config_file("config", None, CONFIG_HELP)
+    app.run(main, flags_parser=cli.flags_parser(PROG, config, FIELDS, "a rewriter report"))

@@ -66,6 +66,17 @@ def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path
     assert results["greedy"]["fraction"] == 1.0
 
 
+def test_a_generation_error_is_one_line_and_leaves_no_empty_output(hf_checkpoint, tmp_path, capsys):
+    rope = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=8)
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    out = tmp_path / "out"
+    argv = ["--model", rope, "--out", str(out), "--no-speed", "--quiet", "--error-len", "4"]
+    assert compare.main(argv) == 2  # the agreement prompts are longer than the 8 positions
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "longer than max_position_embeddings=8" in err, err
+    assert not out.exists()
+
+
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert compare.main(["--model", str(tmp_path / "missing"), "--no-speed", "--quiet"]) == 2
     expected = f"granite_jax.compare: error: {tmp_path / 'missing'}: model directory not found"
@@ -82,6 +93,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         (["--config", "tiny", "--out", str(a_file / "sub")], f"--out: cannot create {a_file / 'sub'}"),
         (["--config", os.path.join(ROOT, "configs/models/tiny.py:bad")], "get_config(bad) failed: configs/models/tiny"),
         (["--config", os.path.join(ROOT, "configs/experiments/parity.py")], "parity.py: not a model config"),
+        (["--config", "tiny", "--seed", "-1"], "--seed: must be >= 0, got -1"),
     ]
     if jax.default_backend() != "gpu":
         bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl='pallas' needs an NVIDIA GPU"))

@@ -11,10 +11,11 @@ import sys
 import jax
 import pytest
 
-from granite_jax import config_cli, cpu_kernels, experiment
+from granite_jax import cli, cpu_kernels, experiment
 from granite_jax.config import ATTENTION, ModelConfig
 from granite_jax.experiments import throughput
 from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
+from granite_jax.params import CheckpointError
 from granite_jax.presets import RELEASED
 from granite_jax.testing import TINY_CONFIG
 
@@ -23,7 +24,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def load(relative: str, arg: str | None = None):
-    return config_cli.load_config(os.path.join(ROOT, relative), arg)
+    return cli.load_config(os.path.join(ROOT, relative), arg)
 
 
 # ---------------------------------------------------------------------------------------------- config files
@@ -47,7 +48,7 @@ def test_tiny_model_config():
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs/experiments/*.py"))))
 def test_experiment_configs_load(path):
     for arg in (None, "quick"):
-        config = config_cli.load_config(path, arg)
+        config = cli.load_config(path, arg)
         assert config.experiment in experiment.EXPERIMENTS
         assert {"model", "workload", "measure", "output_dir"} <= set(config.keys())
         assert config.output_dir is None and config.model.checkpoint is None
@@ -223,8 +224,24 @@ def test_bad_workload_values_rejected(tmp_path):
         experiment.run(config)
     config = load("configs/experiments/scaling.py", "quick")
     config.measure.repeats = 0
-    with pytest.raises(ExperimentError, match="measure.repeats must be >= 1, got 0"):
+    with pytest.raises(ExperimentError, match="measure.repeats must be an integer >= 1, got 0"):
         experiment.run(config)
+    for path, section, field, value, message in [
+        ("rewrite.py", "measure", "naive_repeats", 0, "measure.naive_repeats must be an integer >= 1, got 0"),
+        ("parity.py", "measure", "tolerance", -1.0, "measure.tolerance must be a number >= 0.0, got -1.0"),
+        ("throughput.py", "measure", "floor_probe_mib", -1, "measure.floor_probe_mib must be an integer >= 0"),
+        ("parity.py", "model", "seed", -1, "model.seed must be an integer >= 0, got -1"),
+    ]:
+        config = load(f"configs/experiments/{path}", "quick")
+        config[section][field] = value
+        with pytest.raises(ExperimentError, match=message):
+            experiment.run(config)
+    config = load("configs/experiments/parity.py", "quick")
+    config.model.checkpoint = str(tmp_path / "missing")
+    config.output_dir = str(tmp_path / "not_left_behind")
+    with pytest.raises((ExperimentError, CheckpointError)):  # fails after the output directory was made
+        experiment.run(config)
+    assert not os.path.exists(config.output_dir)
     config = load("configs/experiments/scaling.py", "quick")
     config.workload.seq_lens = (True,)
     with pytest.raises(ExperimentError, match="workload.seq_lens must be positive integers"):
@@ -245,6 +262,22 @@ def test_experiment_config_argument_is_checked():
     for path in glob.glob(os.path.join(ROOT, "configs", "experiments", "*.py")):
         with pytest.raises(ValueError, match="unknown argument 'quik'"):
             load(path, "quik")
+
+
+def test_command_line_errors_are_one_line_exit_2():
+    cmd = [sys.executable, "-m", "granite_jax.experiment", "--config"]
+    cases = [
+        (["configs/models/tiny.py"], "configs/models/tiny.py is not an experiment config (no field 'experiment'"),
+        (["configs/experiments/parity.py:bogus"], "unknown argument 'bogus'; expected ':quick' or nothing"),
+        (["README.md"], "README.md is not a Python config file"),
+        (["configs/experiments/parity.py", "--config.workload.batch=x"], "--config.workload.batch=x"),
+    ]
+    runs = [(subprocess.Popen([*cmd, *args], cwd=ROOT, stderr=subprocess.PIPE, text=True), m) for args, m in cases]
+    for proc, message in runs:
+        err = proc.stderr.read().strip()
+        assert proc.wait(timeout=120) == 2 and len(err.splitlines()) == 1 and message in err, err
+    help_run = subprocess.run([*cmd[:-1], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert help_run.returncode == 0 and "model.seed" in help_run.stdout and ":quick" in help_run.stdout
 
 
 def test_unknown_field_is_one_line_exit_2():

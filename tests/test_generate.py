@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -299,6 +300,7 @@ def test_weights_are_packed_for_batched_decoding_unless_declined(checkpoint, gen
     assert unpacked.packed_bytes == 0 and not jax.tree.leaves(nnx.state(unpacked.model, Packed))
 
     monkeypatch.setattr(generate_module, "available_memory", lambda: 10_000)  # the copy would not fit: declined
+    monkeypatch.setattr(generate_module, "free_memory", lambda: None)  # (nor would the KV cache: not checked here)
     short = Generator(checkpoint)
     with caplog.at_level("WARNING", logger="granite_jax.generate"):
         assert [r.token_ids for r in short.generate(PROMPTS, GREEDY_32)] == batch
@@ -320,6 +322,7 @@ def test_weights_are_packed_for_batched_decoding_unless_declined(checkpoint, gen
         ([], "no prompts given"),
         ([[1, 2], []], "prompt 2 is empty"),
         ([[1, 10**6]], r"token id 1000000 is outside \[0, vocab_size="),
+        (["ab\udcff"], "prompt 1 is not valid UTF-8 text"),  # an undecodable byte from argv (surrogateescape)
     ],
 )
 def test_invalid_prompts_are_rejected(generator, prompts, message):
@@ -332,6 +335,24 @@ def test_invalid_sampling_values_are_rejected(generator):
         generator.generate("hi", temperature=-1.0)
     with pytest.raises(GenerationError, match="unknown sampling option"):
         generator.generate("hi", temprature=1.0)
+    with pytest.raises(GenerationError, match=r"stop token id 99999 is outside \[0, vocab_size="):
+        generator.generate("hi", stop_token_ids=(99999,))
+
+
+def test_token_ids_from_a_tokenizer_that_does_not_fit_the_model_are_rejected(generator):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(generator.model_dir, local_files_only=True)
+    tokenizer.add_tokens(["<|beyond|>"])  # id len(tokenizer) - 1 >= the model's vocab_size
+    assert tokenizer.convert_tokens_to_ids("<|beyond|>") >= generator.cfg.vocab_size
+    mismatched = Generator(model=generator.model, tokenizer=tokenizer)
+    with pytest.raises(GenerationError, match="the tokenizer files do not match this checkpoint"):
+        mismatched.generate("hi <|beyond|>", max_new_tokens=2)
+
+
+def test_a_kv_cache_larger_than_free_memory_is_refused_before_allocating(generator):
+    with pytest.raises(GenerationError, match=r"the KV cache for 1 sequence\(s\) of up to \d+ tokens needs"):
+        generator.generate("hi", max_new_tokens=10**12)
 
 
 def test_rope_model_rejects_prompts_past_max_positions(hf_checkpoint):
@@ -340,6 +361,10 @@ def test_rope_model_rejects_prompts_past_max_positions(hf_checkpoint):
     with pytest.raises(GenerationError, match="65 tokens is longer than max_position_embeddings=64"):
         generator.generate([list(range(5, 70))])
     assert generator.layout([60], 100).max_new_tokens == 5  # new tokens stop at the position limit
+    (result,) = generator.generate([list(range(5, 65))], max_new_tokens=100, stop_token_ids=())
+    assert len(result.token_ids) == 5 and result.finish_reason == "max_position"
+    (result,) = generator.generate([list(range(5, 65))], max_new_tokens=5, stop_token_ids=())
+    assert result.finish_reason == "length"
 
 
 def test_fixed_cache_len_rejects_what_does_not_fit(generator):
@@ -431,14 +456,19 @@ CLI_ERRORS = [  # (arguments, stdin, expected message)
     (("--model", "{ckpt}", "--prompt", ""), None, "prompt 1 is empty"),  # found before the load: no progress bar
     (("--model", "{ckpt}"), b"", "prompt 1 is empty"),
     (("--model", "{rope}", "--prompt", "x" * 100, "--quiet"), None, "longer than max_position_embeddings=64"),
+    (("--model", "{ckpt}", "--prompt", "ab\udcff", "--quiet"), None, "prompt 1 is not valid UTF-8"),  # bytes ab\xff
+    (("--model", "{ckpt}", "--prompt", "hi", "--stop-token-id", "99999", "--quiet"), None, "stop token id 99999"),
+    (("--model", "{badtok}", "--prompt", "hi", "--quiet"), None, "cannot load the tokenizer (JSONDecodeError"),
 ]
 
 
-def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint):
+def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint, tmp_path):
     rope = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=64)
+    badtok = shutil.copytree(checkpoint, tmp_path / "badtok")
+    (badtok / "tokenizer.json").write_text("{")
     runs = []
     for args, stdin, message in CLI_ERRORS:  # all at once: each run is mostly interpreter and import start-up
-        process = start_cli(*(a.format(ckpt=checkpoint, rope=rope) for a in args))
+        process = start_cli(*(a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args))
         if stdin is not None:
             process.stdin.write(stdin)
         process.stdin.close()

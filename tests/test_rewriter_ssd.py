@@ -142,6 +142,8 @@ def test_report_command(tmp_path):
         ("--config.model=granite-9", "--config.model: unknown model 'granite-9'"),
         ("--config.min_dim=0", "--config.min_dim must be None or an int >= 1, got 0"),
         ("--config=missing.py", "config file 'missing.py' not found"),
+        ("--config=configs/experiments/parity.py", "is not a rewriter report config (no field 'target'"),
+        ("--config.json_out=/nonexistent/r.json", "/nonexistent/r.json: the directory does not exist"),
     ],
 )
 def test_report_command_refuses_bad_input(override, message):
@@ -150,6 +152,15 @@ def test_report_command_refuses_bad_input(override, message):
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_report_command_help_lists_the_fields():
+    cmd = [sys.executable, "-m", "rewriter.report", "--help"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for field in ("target", "seq_len", "dtype", "mamba_n_heads", "min_flops", "min_dim", "precision", "json_out"):
+        assert field in text, field
 
 
 def tiny_config(impl: str) -> ModelConfig:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from granite_jax.cli import load_config
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
 from granite_jax.model import Granite, count_params, weight_dtype
 from granite_jax.params import load_model, model_dtypes
@@ -66,14 +66,9 @@ def _model_dict(name: str) -> dict[str, Any]:
 def _load_config_file(path: str, arg: str | None) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ExperimentError(f"{path}: model config file not found")
-    spec = importlib.util.spec_from_file_location("_granite_model_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ExperimentError(f"{path}: no get_config(); model configs are the files in configs/models/")
     try:
-        config = module.get_config(arg) if arg is not None else module.get_config()
-    except Exception as e:  # the file's own check of its argument, or a broken file
+        config = load_config(path, arg)
+    except Exception as e:  # not a config file, the file's own check of its argument, or a broken file
         raise ExperimentError(f"{path}: get_config({arg or ''}) failed: {e}") from None
     fields = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     if "hidden_size" not in fields or "num_hidden_layers" not in fields:
@@ -354,10 +349,32 @@ def check_ssd_impl(ssd_impl: str) -> None:
             raise ExperimentError(str(e)) from None
 
 
+# Lower bounds of the measure fields experiments read (an experiment's config has those it uses).
+MEASURE_BOUNDS = dict(repeats=1, warmup=0, naive_repeats=1, floor_pairs=0, floor_probe_mib=0, tolerance=0.0)
+
+
 def check_measure(measure) -> None:
-    for name, least in (("repeats", 1), ("warmup", 0)):
-        if name in measure and (isinstance(measure[name], bool) or measure[name] < least):
-            raise ExperimentError(f"measure.{name} must be >= {least}, got {measure[name]}")
+    for name, least in MEASURE_BOUNDS.items():
+        if name in measure and not _at_least(measure[name], least):
+            kind = "an integer" if isinstance(least, int) else "a number"
+            raise ExperimentError(f"measure.{name} must be {kind} >= {least}, got {measure[name]!r}")
+    if measure.get("max_naive_seconds") is not None and not _at_least(measure.max_naive_seconds, 0.0, strict=True):
+        raise ExperimentError(f"measure.max_naive_seconds must be a number > 0, got {measure.max_naive_seconds!r}")
+
+
+def check_model(model) -> None:
+    if not (_at_least(model.seed, 0) and isinstance(model.seed, int)):
+        raise ExperimentError(f"model.seed must be an integer >= 0, got {model.seed!r}")
+    if model.num_layers is not None and not _at_least(model.num_layers, 1):
+        raise ExperimentError(f"model.num_layers must be an integer >= 1, got {model.num_layers!r}")
+
+
+def _at_least(value: Any, least: int | float, strict: bool = False) -> bool:
+    """value is a number (an integer where `least` is one) >= least (> least if strict), and finite."""
+    kinds = int if isinstance(least, int) else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
+        return False
+    return value > least if strict else value >= least
 
 
 def set_torch_threads(n: int | None, flag: str) -> None:

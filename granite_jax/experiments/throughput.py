@@ -50,8 +50,6 @@ def run(config) -> Result:
         raise ExperimentError(f"workload.batch_sizes must be positive integers, got {batch_sizes}")
     if w.new_tokens < 2:
         raise ExperimentError("workload.new_tokens must be >= 2 to time decoding")
-    if not isinstance(m.floor_pairs, int) or m.floor_pairs < 0:
-        raise ExperimentError(f"measure.floor_pairs must be an integer >= 0, got {m.floor_pairs!r}")
     spec = model_spec(config)
     set_torch_threads(m.get("torch_threads"), "measure.torch_threads")
     if m.transformers:

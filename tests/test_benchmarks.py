@@ -1,0 +1,92 @@
+"""The benchmark scripts' command lines: every flag documented with its default, and bad input refused at once.
+
+A bad argument must end the script with one line on stderr and exit code 2 before any model is loaded or anything
+timed (a late failure costs minutes, or loses a finished run's results). Only the argument handling runs here: the
+scripts themselves are exercised in test_experiment.py, test_cpu_kernels.py and test_gpu_benchmark.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+
+FLAGS = {
+    "throughput.py": (
+        "--shape --layers --checkpoint --prompt-len --new-tokens --batch-sizes --dtype --weight-dtype --repeats "
+        "--skip-transformers --floor-pairs --probe-mib --json"
+    ),
+    "cpu_kernels.py": "--shape --rows --expert-tokens --dtype --chain-mib --repeats --parts --json",
+    "rewrite_ssd.py": (
+        "--lengths --batch --heads --head-dim --state --groups --chunk --reps --naive-reps --max-naive-seconds --json"
+    ),
+    "gpu_ssd.py": (
+        "--lengths --batch --dtype --naive-max-len --skip --budget-seconds --no-layer --no-split --sweep --sweep-len "
+        "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot"
+    ),
+}
+
+# (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
+# {dir} an existing directory
+BAD = [
+    ("throughput.py", ["--batch-sizes", "1,x"], "argument --batch-sizes: expected comma-separated positive integers"),
+    ("throughput.py", ["--batch-sizes", ""], "argument --batch-sizes: expected comma-separated positive integers"),
+    ("throughput.py", ["--batch-sizes", "1,0"], "argument --batch-sizes: every value must be >= 1"),
+    ("throughput.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("throughput.py", ["--prompt-len", "0"], "argument --prompt-len: must be >= 1"),
+    ("throughput.py", ["--layers", "0"], "argument --layers: must be >= 1"),
+    ("throughput.py", ["--new-tokens", "1"], "need --new-tokens >= 2"),
+    ("throughput.py", ["--json", "{dir}"], "is a directory"),
+    ("cpu_kernels.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
+    ("cpu_kernels.py", ["--repeats", "0"], "--repeats >= 1"),
+    ("cpu_kernels.py", ["--json", "{dir}"], "is a directory"),
+    ("rewrite_ssd.py", ["--heads", "0"], "argument --heads: must be >= 1, got 0"),
+    ("rewrite_ssd.py", ["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),
+    ("rewrite_ssd.py", ["--groups", "5"], "--heads must be a multiple of --groups"),
+    ("rewrite_ssd.py", ["--lengths", "512", "0"], "argument --lengths: must be >= 1, got 0"),
+    ("rewrite_ssd.py", ["--batch", "x"], "argument --batch: expected a positive integer, got 'x'"),
+    ("rewrite_ssd.py", ["--json", "{missing}"], "the directory does not exist"),
+    ("rewrite_ssd.py", ["--json", "{dir}"], "is a directory"),
+    ("gpu_ssd.py", ["--smoke", "--decode-batches", "x"], "argument --decode-batches: expected comma-separated"),
+    ("gpu_ssd.py", ["--smoke", "--lengths", "64"], "--lengths does not apply with --smoke"),
+    ("gpu_ssd.py", ["--lengths", "2048,x"], "argument --lengths: expected comma-separated positive integers"),
+    ("gpu_ssd.py", ["--smoke", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    ("gpu_ssd.py", ["--smoke", "--sweep", "--sweep-len", "0"], "argument --sweep-len: must be >= 1"),
+    ("gpu_ssd.py", ["--smoke", "--skip", "palas"], "argument --skip: unknown palas"),
+    ("gpu_ssd.py", ["--smoke", "--peak-gbs", "0"], "argument --peak-gbs: must be > 0"),
+]
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, os.path.join("benchmarks", script), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+
+
+@pytest.mark.parametrize(("script", "args", "message"), BAD, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD])
+def test_bad_arguments_end_with_one_line_before_any_work(script, args, message, tmp_path):
+    args = [a.format(missing=tmp_path / "no" / "x.json", dir=tmp_path) for a in args]
+    proc = run(script, *args)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: "), proc.stderr[-3000:]  # no usage block
+    assert message in lines[0] and "Traceback" not in proc.stderr, lines
+    assert proc.stdout == ""  # nothing measured, no progress
+    assert not (tmp_path / "no").exists()  # and no output directory made
+
+
+@pytest.mark.parametrize("script", sorted(FLAGS))
+def test_help_documents_every_flag_and_its_default(script):
+    proc = run(script, "--help")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    options = proc.stdout.split("options:")[1]
+    # one entry per flag: its line and its help text's lines, up to the next flag
+    entries = {m.group(1): m.group(0) for m in re.finditer(r"^  (--[\w-]+).*\n(?:(?!  -).*\n?)*", options, re.M)}
+    assert sorted(entries) == sorted(FLAGS[script].split())
+    for flag, text in entries.items():
+        assert "(default: " in " ".join(text.split()), f"{script} {flag}: no help text or no default shown:\n{text}"
