@@ -453,7 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-layers", type=int, help="with --config: this many layers, same share of attention layers")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both models' dtype")
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="both models' dtype (default: float32)"
+    )
     p.add_argument(
         "--weight-dtype",
         choices=("float32", "bfloat16"),
