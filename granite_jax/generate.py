@@ -361,6 +361,10 @@ class Generator:
         model: Granite | None = None,
         tokenizer: Any = None,
     ):
+        if weight_dtype not in (AUTO, None, *DTYPES):
+            raise GenerationError(
+                f"weight_dtype must be auto, None or one of {', '.join(DTYPES)}, got {weight_dtype!r}"
+            )
         try:
             dtypes = model_dtypes(dtype, None if weight_dtype == AUTO else weight_dtype)
         except ValueError as e:

@@ -337,6 +337,8 @@ def test_invalid_sampling_values_are_rejected(generator):
         generator.generate("hi", temprature=1.0)
     with pytest.raises(GenerationError, match=r"stop token id 99999 is outside \[0, vocab_size="):
         generator.generate("hi", stop_token_ids=(99999,))
+    with pytest.raises(GenerationError, match="weight_dtype must be auto, None or one of float32, bfloat16, float16"):
+        Generator(model=generator.model, tokenizer=generator.tokenizer, weight_dtype="int8")
 
 
 def test_token_ids_from_a_tokenizer_that_does_not_fit_the_model_are_rejected(generator):
