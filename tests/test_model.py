@@ -96,9 +96,16 @@ def compare(pair: Pair, ids: np.ndarray, pad: np.ndarray | None = None) -> dict[
     real = mask.astype(bool)
     # transformers records the embeddings, every layer output, and the last one after the final norm.
     ours = [np.asarray(h) for h in hidden[:-1]] + [np.asarray(pair.jax.norm(hidden[-1]))]
-    errors = {
-        f"layer {i}": rel_err(o[real], t.numpy()[real]) for i, (o, t) in enumerate(zip(ours, out.hidden_states[1:]))
-    }
+    theirs = [t.numpy() for t in out.hidden_states]
+    errors = {f"layer {i}": rel_err(o[real], t[real]) for i, (o, t) in enumerate(zip(ours, theirs[1:], strict=True))}
+    # Each layer adds a few % to the residual stream, so an error in one layer's update is diluted in the stream:
+    # compare what each layer adds too (not the last: transformers records it after the final norm).
+    embedded = pair.jax.embed(jnp.asarray(ids)) * pair.jax.cfg.embedding_multiplier
+    previous = (np.asarray(embedded), theirs[0])
+    errors["embeddings"] = rel_err(previous[0][real], previous[1][real])
+    for i, (o, t) in enumerate(zip(ours[:-1], theirs[1:-1], strict=True)):
+        errors[f"layer {i} update"] = rel_err((o - previous[0])[real], (t - previous[1])[real])
+        previous = (o, t)
     errors["logits"] = rel_err(np.asarray(logits)[real], out.logits.numpy()[real])
     worst = max(errors, key=errors.get)
     print(f"worst relative error: {worst} = {errors[worst]:.2e}")
