@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,33 @@ from pallas_kernels._call import interpreting
 Array = jax.Array
 F32 = jnp.float32
 SOFTPLUS_THRESHOLD = 20.0  # softplus(t) == t in float32 above this, as in torch and the reference kernels
+
+
+def check_int(where: str, value: object, *, minimum: int, power_of_two: bool = False) -> int:
+    """`value` as an int: an integer (not a bool or a float) >= `minimum`, and a power of two if asked."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{where}={value!r}: must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < minimum or (power_of_two and value & (value - 1)):
+        kind = "a power of two" if power_of_two else "an int"
+        raise ValueError(f"{where}={value}: must be {kind} >= {minimum}")
+    return value
+
+
+def check_dt_limit(fn: str, limit: object) -> tuple[float, float]:
+    """`dt_limit` as (low, high) floats: two real numbers, not NaN, low <= high (either may be infinite)."""
+    try:
+        lo, hi = limit  # type: ignore[misc]
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: dt_limit must be a pair (low, high), got {limit!r}") from None
+    for value in (lo, hi):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{fn}: dt_limit must be two real numbers, got {limit!r}")
+        if math.isnan(value):
+            raise ValueError(f"{fn}: dt_limit={limit!r}: NaN is not a limit")
+    if lo > hi:
+        raise ValueError(f"{fn}: dt_limit=({lo}, {hi}): low must be <= high")
+    return float(lo), float(hi)
 
 
 def process_dt(dt: Array, bias: Array | None, softplus: bool, limit: tuple[float, float]) -> Array:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _call
-from pallas_kernels._common import F32, Array, pad_axis, padded_dim, process_dt
+from pallas_kernels._common import F32, Array, check_dt_limit, check_int, pad_axis, padded_dim, process_dt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +33,9 @@ class DecodeConfig:
     num_stages: int = 1
 
     def __post_init__(self):
-        if self.block_p < 1 or self.block_p & (self.block_p - 1):
-            raise ValueError(f"DecodeConfig.block_p={self.block_p}: must be a power of two")
+        check_int("DecodeConfig.block_p", self.block_p, minimum=1, power_of_two=True)
+        for name in ("num_warps", "num_stages"):
+            check_int(f"DecodeConfig.{name}", getattr(self, name), minimum=1)
 
 
 def ssd_decode(
@@ -57,6 +58,9 @@ def ssd_decode(
     the kernel), else already processed. Returns (y (b, h, p) float32, new state (b, h, p, n) float32).
     """
     _check_shapes(state, x, dt, A, B, C, D, dt_bias)
+    limit = check_dt_limit("ssd_decode", dt_limit)
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"ssd_decode: config must be a DecodeConfig or None, got {type(config).__name__}")
     b, h, p = x.shape
     g, n = B.shape[1:]
     cfg = config or DecodeConfig()
@@ -68,9 +72,7 @@ def ssd_decode(
     bias = jnp.zeros((h,), F32) if dt_bias is None else dt_bias.astype(F32)
     bp = min(cfg.block_p, pp)
     group = h // g
-    kernel = functools.partial(
-        _decode_kernel, softplus=bool(dt_softplus), limit=(float(dt_limit[0]), float(dt_limit[1]))
-    )
+    kernel = functools.partial(_decode_kernel, softplus=bool(dt_softplus), limit=limit)
     scalar = pl.BlockSpec((None,), lambda i, j, k: (j,))
     state_block = pl.BlockSpec((None, None, bp, nn), lambda i, j, k: (i, j, k, 0))
     y, state = _call.call(

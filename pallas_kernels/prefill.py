@@ -34,7 +34,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import _call
-from pallas_kernels._common import F32, Array, dot, operand_dtype, pad_axis, padded_dim, process_dt
+from pallas_kernels._common import (
+    F32,
+    Array,
+    check_dt_limit,
+    check_int,
+    dot,
+    operand_dtype,
+    pad_axis,
+    padded_dim,
+    process_dt,
+)
 
 MIN_CHUNK, MAX_CHUNK = 16, 256
 
@@ -59,22 +69,22 @@ class PrefillConfig:
     # float32, whose tiles take twice the shared memory
 
     def __post_init__(self):
-        for name in ("block_m", "block_p", "block_n", "block_k"):
-            value = getattr(self, name)
-            if value is not None and (value < 16 or value & (value - 1)):
-                raise ValueError(f"PrefillConfig.{name}={value}: must be a power of two >= 16 (Triton dot tiles)")
+        optional = ("block_p", "block_k", "state_warps", "output_warps", "output_stages")  # None: a default
+        for name in ("block_m", "block_p", "block_n", "block_k"):  # Triton dot tiles
+            if getattr(self, name) is not None or name not in optional:
+                check_int(f"PrefillConfig.{name}", getattr(self, name), minimum=16, power_of_two=True)
         for name in ("heads_per_program", "state_warps", "output_warps", "state_stages", "output_stages"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"PrefillConfig.{name}={value}: must be >= 1")
+            if getattr(self, name) is not None or name not in optional:
+                check_int(f"PrefillConfig.{name}", getattr(self, name), minimum=1)
 
 
 def kernel_chunk(chunk_size: int) -> int:
     """The chunk the kernels use: `chunk_size` rounded up to a power of two in [16, 256].
 
     The SSD does not depend on the chunk beyond rounding, so a model chunk the kernels cannot tile is replaced rather
-    than refused.
+    than refused. `chunk_size` must be an int >= 1.
     """
+    chunk_size = check_int("chunk_size", chunk_size, minimum=1)
     return min(MAX_CHUNK, max(MIN_CHUNK, 1 << max(0, (chunk_size - 1).bit_length())))
 
 
@@ -102,19 +112,23 @@ def ssd_prefill(
     (b, h, p, n) in float32. Any L; p and n that are not powers of two >= 16 are zero-padded (an extra copy).
     """
     _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias)
+    chunk = kernel_chunk(chunk_size)
+    limit = check_dt_limit("ssd_prefill", dt_limit)
+    out_dtype = _check_out_dtype(out_dtype)
+    if config is not None and not isinstance(config, PrefillConfig):
+        raise TypeError(f"ssd_prefill: config must be a PrefillConfig or None, got {type(config).__name__}")
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     cfg = config or PrefillConfig()
     if length == 0:
         final = jnp.zeros((b, h, p, n), F32) if initial_state is None else initial_state.astype(F32)
         return jnp.zeros((b, 0, h, p), out_dtype), final
-    chunk = kernel_chunk(chunk_size)
     pp, nn = padded_dim(p), padded_dim(n)
     x = pad_axis(x, 3, pp)
     B, C = pad_axis(B, 3, nn), pad_axis(C, 3, nn)
     if initial_state is not None:
         initial_state = pad_axis(pad_axis(initial_state.astype(F32), 2, pp), 3, nn)
-    dt_args = dict(bias=dt_bias, softplus=bool(dt_softplus), limit=(float(dt_limit[0]), float(dt_limit[1])))
+    dt_args = dict(bias=dt_bias, softplus=bool(dt_softplus), limit=limit)
 
     states_in, final, dt_rows, decay_rows = _chunk_states(x, dt, A, B, initial_state, chunk, cfg, **dt_args)
     y = _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg, out_dtype)
@@ -123,6 +137,16 @@ def ssd_prefill(
     if (pp, nn) != (p, n):
         final = final[:, :, :p, :n]
     return y, final
+
+
+def _check_out_dtype(out_dtype: object) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(out_dtype)
+    except TypeError:
+        raise TypeError(f"ssd_prefill: out_dtype must be a floating-point dtype, got {out_dtype!r}") from None
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"ssd_prefill: out_dtype must be a floating-point dtype (e.g. float32, bfloat16), got {dtype}")
+    return dtype
 
 
 def _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias) -> None:

@@ -96,6 +96,12 @@ def _check_callable(fn: Any) -> None:
         raise TypeError(f"expected a callable to rewrite, got {type(fn).__name__}: {fn!r}")
 
 
+def _check_options(options: Any) -> None:
+    if options is not None and not isinstance(options, Options):
+        hint = "; pass options=rewriter.Options(**your_dict)" if isinstance(options, dict) else ""
+        raise TypeError(f"options must be a rewriter.Options or None, got {type(options).__name__}: {options!r}{hint}")
+
+
 def analyze(fn: Callable, *args: Any, options: Options | None = None, **kwargs: Any) -> Report:
     """Report every broadcast-multiply-sum site of `fn(*args, **kwargs)` and what `rewrite` would do with it.
 
@@ -103,7 +109,8 @@ def analyze(fn: Callable, *args: Any, options: Options | None = None, **kwargs: 
     static. Rewriter options are given as `options=Options(...)`; other keywords go to `fn`.
     """
     _check_callable(fn)
-    options = options or Options()
+    _check_options(options)
+    options = Options() if options is None else options
     sig, values = _Signature.of(args, kwargs)
     closed, _ = _trace(fn, sig, values)
     _, sites = _plan(closed, options)
@@ -118,9 +125,10 @@ def rewrite(fn: Callable, *, options: Options | None = None, **kwargs: Any) -> R
     Array arguments (and ShapeDtypeStructs in `.analyze`) are traced; other arguments are static.
     """
     _check_callable(fn)
+    _check_options(options)
     if options is not None and kwargs:
         raise TypeError("pass either options=Options(...) or keyword options, not both")
-    return Rewritten(fn, options or Options.from_kwargs(**kwargs))
+    return Rewritten(fn, Options.from_kwargs(**kwargs) if options is None else options)
 
 
 class Rewritten:

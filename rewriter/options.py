@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -38,16 +39,20 @@ class Options:
     atol: float | None = None
 
     def __post_init__(self):
-        if not isinstance(self.min_flops, int | float) or self.min_flops < 0:
-            raise ValueError(f"min_flops must be a number >= 0, got {self.min_flops!r}")
+        if not _is_finite_number(self.min_flops) or self.min_flops < 0:
+            raise ValueError(f"min_flops must be a finite number >= 0, got {self.min_flops!r}")
         if self.min_dim is not None and (
             not isinstance(self.min_dim, int) or isinstance(self.min_dim, bool) or self.min_dim < 1
         ):
             raise ValueError(f"min_dim must be None or an int >= 1, got {self.min_dim!r}")
+        for name in ("fuse_chains", "verify"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__}: {value!r}")
         for name in ("rtol", "atol"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or value < 0):
-                raise ValueError(f"{name} must be None or a number >= 0, got {value!r}")
+            if value is not None and (not _is_finite_number(value) or value < 0):
+                raise ValueError(f"{name} must be None or a finite number >= 0, got {value!r}")
         dot_precision(self.precision)  # validates
 
     def gate_min_dim(self) -> int:
@@ -62,6 +67,11 @@ class Options:
         if unknown:
             raise TypeError(f"unknown rewriter option(s) {unknown}; valid options are {sorted(names)}")
         return cls(**kwargs)
+
+
+def _is_finite_number(x: Any) -> bool:
+    """A real, finite int or float (bools, NaN and infinities are not)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
 
 
 def dot_precision(precision: Any) -> Any:

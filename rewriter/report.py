@@ -95,7 +95,7 @@ def report_for(c: config_dict.ConfigDict) -> Report:
     fn, args = build(c)
     try:
         options = Options(min_flops=c.min_flops, min_dim=c.min_dim, fuse_chains=c.fuse_chains, precision=c.precision)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise ValueError(f"--config.{e}") from None  # Options' messages start with the field's name
     report = analyze(fn, *args, options=options)
     report.function = f"{c.model} {c.target} (naive SSD), batch {c.batch} x {c.seq_len} tokens, {c.dtype}"

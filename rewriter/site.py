@@ -46,12 +46,24 @@ class Site:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Site:
+    def from_dict(cls, d: dict[str, Any], *, index: int | None = None) -> Site:
+        where = "site" if index is None else f"site #{index}"
+        if not isinstance(d, dict):
+            raise ValueError(f"not a rewriter report: {where} must be an object, got {type(d).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
+        unknown = sorted(set(d) - set(fields))
+        if missing or unknown:
+            raise ValueError(f"not a rewriter report: {where} has missing key(s) {missing}, unknown key(s) {unknown}")
         d = dict(d)
-        for key in ("out_shape", "intermediate_shape"):
-            d[key] = tuple(d[key])
-        d["operand_shapes"] = [tuple(s) for s in d["operand_shapes"]]
-        d["contraction_path"] = [tuple(p) for p in d["contraction_path"]]
+        try:
+            for key in ("out_shape", "intermediate_shape"):
+                d[key] = tuple(d[key])
+            d["operand_shapes"] = [tuple(s) for s in d["operand_shapes"]]
+            d["contraction_path"] = [tuple(p) for p in d["contraction_path"]]
+        except TypeError as e:
+            raise ValueError(f"not a rewriter report: {where} has a malformed shape or contraction path ({e})") from e
         return cls(**d)
 
 
@@ -97,8 +109,21 @@ class Report:
         if not text.lstrip().startswith("{"):
             with open(text_or_path) as f:
                 text = f.read()
-        d = json.loads(text)
-        return cls(d["function"], [Site.from_dict(s) for s in d["sites"]], d.get("options", {}))
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a rewriter report: invalid JSON ({e})") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"not a rewriter report: expected a JSON object, got {type(d).__name__}")
+        missing = [key for key in ("function", "sites") if key not in d]
+        if missing:
+            raise ValueError(f"not a rewriter report: missing key(s) {missing} (found {sorted(d)})")
+        if not isinstance(d["sites"], list):
+            raise ValueError(f"not a rewriter report: 'sites' must be a list, got {type(d['sites']).__name__}")
+        options = d.get("options", {})
+        if not isinstance(options, dict):
+            raise ValueError(f"not a rewriter report: 'options' must be an object, got {type(options).__name__}")
+        return cls(d["function"], [Site.from_dict(s, index=i) for i, s in enumerate(d["sites"])], options)
 
     def __str__(self) -> str:
         return format_table(self)

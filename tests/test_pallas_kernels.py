@@ -1,7 +1,8 @@
 """The Pallas SSD kernels, interpreted on CPU, against the float64 recurrence; and their lowering for CUDA.
 
 Every interpreted run poisons the kernels' outputs with NaN first (`interpret_mode()` does it), so an element a kernel
-never writes fails the comparison. Inputs are fresh random draws each run; the seed is in every failure message.
+never writes fails the comparison. Inputs are fixed draws: each test derives its seed from its name and case (CRC-32),
+so every run, locally and in CI, sees the same inputs; the seed is in every failure message.
 
 Tolerances, as max |kernel - reference| / max |reference| over y and over the final state:
 - float32 inputs: 1e-4. Interpreted, the kernels' float32 matmuls are exact float32 products; the remaining error
@@ -13,7 +14,8 @@ Tolerances, as max |kernel - reference| / max |reference| over y and over the fi
 
 from __future__ import annotations
 
-import os
+import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,9 @@ TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)  # Granite-4.0-H-Tiny's Mamba layer
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
+def _seed(case: str) -> int:
+    """A fixed seed per test case: reproducible runs, different draws for different cases."""
+    return zlib.crc32(case.encode())
 
 
 def _rel_err(got, want) -> float:
@@ -99,7 +102,7 @@ PREFILL_CASES = {
 def test_prefill_matches_float64_recurrence(name):
     b, L, h, p, g, n, chunk, dtype, opts = PREFILL_CASES[name]
     opts = dict(opts)
-    seed = _seed()
+    seed = _seed(f"prefill/{name}")
     inputs = _ssd_inputs(
         seed, b, L, h, p, g, n, dtype, initial=opts.pop("initial", True), fast_decay=opts.pop("fast_decay", False)
     )
@@ -117,7 +120,7 @@ def test_prefill_matches_float64_recurrence(name):
 
 def test_prefill_applies_dt_bias_softplus_and_limit_in_kernel():
     b, L, h, p, g, n = 1, 40, 4, 16, 2, 16
-    seed = _seed()
+    seed = _seed("prefill/dt_bias_softplus_limit")
     x, dt_raw, A, B, C, D, s0 = _ssd_inputs(seed, b, L, h, p, g, n, jnp.float32, raw_dt=True)
     bias = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(h, np.float32) * 2.0)
     limit = (0.05, 1.5)
@@ -151,6 +154,83 @@ def test_prefill_rejects_bad_shapes():
     B = jnp.zeros((1, 8, 4, 16))
     with pytest.raises(ValueError, match="must divide the head count"):
         ssd_prefill(x, jnp.zeros((1, 8, 6)), jnp.zeros(6), B, B, jnp.zeros(6))
+
+
+def _tiny_prefill_inputs():
+    x, B = jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 1, 16))
+    return x, jnp.zeros((1, 8, 2)), jnp.zeros(2), B, B, jnp.zeros(2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(dt_limit=(1.0, 0.0)), ValueError, r"dt_limit=\(1.0, 0.0\): low must be <= high"),
+        (dict(dt_limit=(math.nan, 1.0)), ValueError, "NaN"),
+        (dict(dt_limit=(0.0, "1")), TypeError, "dt_limit must be two real numbers"),
+        (dict(dt_limit=0.5), TypeError, r"dt_limit must be a pair \(low, high\)"),
+        (dict(chunk_size=-7), ValueError, "chunk_size=-7: must be an int >= 1"),
+        (dict(chunk_size=0), ValueError, "chunk_size=0: must be an int >= 1"),
+        (dict(chunk_size=4.0), TypeError, "chunk_size=4.0: must be an int, got float"),
+        (dict(chunk_size=True), TypeError, "chunk_size=True: must be an int, got bool"),
+        (dict(out_dtype=jnp.int32), ValueError, "out_dtype must be a floating-point dtype"),
+        (dict(out_dtype=jnp.bool_), ValueError, "out_dtype must be a floating-point dtype"),
+        (dict(out_dtype="float33"), TypeError, "out_dtype must be a floating-point dtype"),
+        (dict(config={"block_m": 16}), TypeError, "config must be a PrefillConfig"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else None,
+)
+def test_prefill_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ssd_prefill(*_tiny_prefill_inputs(), **kwargs)
+
+
+def test_decode_rejects_bad_arguments():
+    state, x, dt, A, B, C, D = _decode_inputs(0, 1, 2, 16, 1, 16, jnp.float32)
+    with pytest.raises(ValueError, match=r"ssd_decode: dt_limit=\(2.0, 1.0\): low must be <= high"):
+        ssd_decode(state, x, dt, A, B, C, D, dt_limit=(2.0, 1.0))
+    with pytest.raises(TypeError, match="config must be a DecodeConfig"):
+        ssd_decode(state, x, dt, A, B, C, D, config=PrefillConfig())
+
+
+def test_kernel_chunk_takes_ints_only():
+    assert pallas_kernels.kernel_chunk(np.int64(100)) == 128
+    with pytest.raises(TypeError, match="chunk_size=4.0: must be an int"):
+        pallas_kernels.kernel_chunk(4.0)
+    with pytest.raises(ValueError, match="chunk_size=-7"):
+        pallas_kernels.kernel_chunk(-7)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: PrefillConfig(block_m=16.0), TypeError, "PrefillConfig.block_m=16.0: must be an int, got float"),
+        (lambda: PrefillConfig(block_n=None), TypeError, "PrefillConfig.block_n=None: must be an int"),
+        (lambda: PrefillConfig(block_k=True), TypeError, "PrefillConfig.block_k=True: must be an int, got bool"),
+        (lambda: PrefillConfig(state_warps=2.0), TypeError, "PrefillConfig.state_warps=2.0: must be an int"),
+        (lambda: PrefillConfig(state_stages=0), ValueError, "PrefillConfig.state_stages=0: must be an int >= 1"),
+        (lambda: DecodeConfig(block_p=2.0), TypeError, "DecodeConfig.block_p=2.0: must be an int, got float"),
+        (lambda: DecodeConfig(num_warps=0), ValueError, "DecodeConfig.num_warps=0: must be an int >= 1"),
+        (lambda: DecodeConfig(num_stages=0), ValueError, "DecodeConfig.num_stages=0: must be an int >= 1"),
+        (lambda: DecodeConfig(num_warps=4.0), TypeError, "DecodeConfig.num_warps=4.0: must be an int"),
+    ],
+    ids=lambda v: v.split(":")[0] if isinstance(v, str) else None,
+)
+def test_configs_reject_non_ints(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_configs_accept_unset_defaults_and_numpy_ints():
+    assert PrefillConfig(block_p=None, block_k=None, block_m=np.int64(32)).block_m == 32
+    assert DecodeConfig(block_p=1, num_warps=np.int32(8)).num_warps == 8
+
+
+def test_inputs_are_reproducible():
+    """Fixed seeds: the same case draws the same inputs on every run; different cases draw different ones."""
+    assert _seed("prefill/a") == _seed("prefill/a") == zlib.crc32(b"prefill/a")
+    assert len({_seed(f"prefill/{name}") for name in PREFILL_CASES} | {_seed(f"decode/{n}") for n in DECODE_CASES}) == 8
+    first, again = (_ssd_inputs(_seed("prefill/a"), 1, 4, 2, 16, 1, 16, jnp.float32) for _ in range(2))
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -187,7 +267,7 @@ def _step_reference(state, x, dt, A, B, C, D):
 @pytest.mark.parametrize("name", DECODE_CASES)
 def test_decode_matches_float64_step(name):
     b, h, p, g, n, dtype, block_p = DECODE_CASES[name]
-    seed = _seed()
+    seed = _seed(f"decode/{name}")
     inputs = _decode_inputs(seed, b, h, p, g, n, dtype, fast_decay=name == "bf16")
     with pallas_kernels.interpret_mode():
         y, state = jax.jit(lambda *a: ssd_decode(*a, config=DecodeConfig(block_p=block_p)))(*inputs)
@@ -199,7 +279,7 @@ def test_decode_matches_float64_step(name):
 
 
 def test_decode_applies_dt_bias_softplus_and_limit_in_kernel():
-    seed = _seed()
+    seed = _seed("decode/dt_bias_softplus_limit")
     state, x, dt_raw, A, B, C, D = _decode_inputs(seed, 2, 4, 16, 2, 16, jnp.float32)
     bias = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(4, np.float32) * 3.0)
     limit = (0.1, 2.0)

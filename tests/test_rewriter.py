@@ -3,6 +3,7 @@ and the report. Values are checked against float64 numpy einsum."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -504,6 +505,72 @@ def test_bad_input_errors():
         rewriter.rewrite(matmul_as_sum, options=Options(), verify=True)
     with pytest.raises(TypeError, match="neither an array nor hashable"):
         rewriter.rewrite(lambda a, b: a)(rand(2), {1, 2})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"verify": "no"}, TypeError, "verify must be a bool"),
+        ({"verify": 1}, TypeError, "verify must be a bool"),
+        ({"fuse_chains": 0.5}, TypeError, "fuse_chains must be a bool"),
+        ({"fuse_chains": None}, TypeError, "fuse_chains must be a bool"),
+        ({"rtol": math.nan}, ValueError, "rtol must be None or a finite number"),
+        ({"atol": math.nan}, ValueError, "atol must be None or a finite number"),
+        ({"rtol": math.inf}, ValueError, "rtol must be None or a finite number"),
+        ({"atol": True}, ValueError, "atol must be None or a finite number"),
+        ({"min_flops": math.nan}, ValueError, "min_flops must be a finite number"),
+        ({"min_flops": math.inf}, ValueError, "min_flops must be a finite number"),
+        ({"min_flops": False}, ValueError, "min_flops must be a finite number"),
+    ],
+    ids=lambda v: repr(v) if isinstance(v, dict) else None,
+)
+def test_options_reject_non_bools_and_non_finite_numbers(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Options(**kwargs)
+    with pytest.raises(error, match=match):
+        rewriter.rewrite(matmul_as_sum, **kwargs)
+
+
+def test_options_accept_valid_edge_values():
+    options = Options(min_flops=0, rtol=0, atol=0.0, fuse_chains=False, verify=True)
+    assert options.min_flops == 0 and options.rtol == 0 and not options.fuse_chains and options.verify
+    assert Options(min_flops=np.float64(1e3), rtol=np.float64(1e-3)).min_flops == 1e3
+
+
+def test_options_must_be_an_options_instance():
+    a, b = rand(8, 8), rand(8, 8, seed=1)
+    for bad in ({"min_flops": 0}, {}, "fast"):
+        with pytest.raises(TypeError, match="options must be a rewriter.Options"):
+            rewriter.rewrite(matmul_as_sum, options=bad)
+        with pytest.raises(TypeError, match="options must be a rewriter.Options"):
+            rewriter.analyze(matmul_as_sum, a, b, options=bad)
+    assert rewriter.analyze(matmul_as_sum, a, b, options=None).options == dataclasses.asdict(Options())
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ('{"a": 1}', r"not a rewriter report: missing key\(s\) \['function', 'sites'\]"),
+        ('{"function": "f"}', r"missing key\(s\) \['sites'\]"),
+        ("{not json", "not a rewriter report: invalid JSON"),
+        ('{"function": "f", "sites": {}}', "'sites' must be a list"),
+        ('{"function": "f", "sites": [3]}', "site #0 must be an object"),
+        ('{"function": "f", "sites": [{"id": 1}]}', r"site #0 has missing key\(s\) \['path'"),
+        ('{"function": "f", "sites": [], "options": 3}', "'options' must be an object"),
+    ],
+)
+def test_report_from_json_rejects_what_is_not_a_report(text, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        Report.from_json(text)
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        Report.from_json(path)
+
+
+def test_report_from_json_round_trips_an_empty_report():
+    report = Report("f", [], {"min_flops": 0})
+    assert Report.from_json(report.to_json()) == report
 
 
 def dot_precisions(fast, *args):
