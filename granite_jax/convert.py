@@ -52,7 +52,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
         stored = stored_dtype(model_dir)
         name = stored if stored in DTYPES else "float32"
     if name not in DTYPES:
-        raise CheckpointError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+        raise CheckpointError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
     model = load_model(model_dir, dtype=DTYPES[name], progress=progress)
     return save_checkpoint(model, out_dir, copy_from=model_dir, source=os.path.abspath(model_dir))
 

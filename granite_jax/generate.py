@@ -37,8 +37,9 @@ import numpy as np
 from flax import nnx
 
 from granite_jax import cli, cpu_kernels
-from granite_jax.config import ATTENTION, ConfigError, ModelConfig
-from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, weight_dtype
+from granite_jax.config import ATTENTION, SSD_IMPLS, ConfigError, ModelConfig
+from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, with_ssd_impl
+from granite_jax.model import weight_dtype as weight_dtype_of
 from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
 
@@ -328,13 +329,16 @@ def load_tokenizer(model_dir: str | os.PathLike):
 class Generator:
     """A model and tokenizer loaded once, with compiled prefill/decode steps reused across `generate` calls.
 
-    dtype: activation and parameter dtype ("float32", "bfloat16", "float16"). weight_dtype: keep the weights in this
-    dtype instead (None: dtype). "bfloat16" with dtype "float32" computes in float32 on the bfloat16 values: for a
-    bfloat16 checkpoint (the released ones are), the float32 model's results (the values are exactly representable;
-    on CPUs the kernels widen them in registers) at half its weight memory and about half its batch-1 decode traffic.
+    dtype: activation and parameter dtype ("float32", "bfloat16", "float16"; None: float32). weight_dtype: keep the
+    weights in this dtype instead (None: dtype). "bfloat16" with dtype "float32" computes in float32 on the bfloat16
+    values: for a bfloat16 checkpoint (the released ones are), the float32 model's results (the values are exactly
+    representable; on CPUs the kernels widen them in registers) at half its weight memory and about half its batch-1
+    decode traffic.
     "auto" (the default): that when dtype is "float32", the checkpoint stores bfloat16 and the CPU kernels run
     (`params.auto_weight_dtype`), else dtype. `weight_dtype` then names the dtype the weights were loaded in.
-    ssd_impl: "xla", "naive", "pallas".
+    ssd_impl: "xla", "naive", "pallas" (None: "xla").
+    model, tokenizer: use these instead of loading from model_dir. The model runs as it is: a dtype or weight_dtype
+    other than its own is refused (they choose how a checkpoint is loaded), and an ssd_impl is applied to it.
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
@@ -350,9 +354,9 @@ class Generator:
         self,
         model_dir: str | os.PathLike | None = None,
         *,
-        dtype: str = "float32",
+        dtype: str | None = None,
         weight_dtype: str | None = AUTO,
-        ssd_impl: str = "xla",
+        ssd_impl: str | None = None,
         prefill_chunk: int = 512,
         min_cache_len: int = 1024,
         max_cache_len: int | None = None,
@@ -366,21 +370,23 @@ class Generator:
                 f"weight_dtype must be auto, None or one of {', '.join(DTYPES)}, got {weight_dtype!r}"
             )
         try:
-            dtypes = model_dtypes(dtype, None if weight_dtype == AUTO else weight_dtype)
+            dtypes = model_dtypes(dtype or "float32", None if weight_dtype == AUTO else weight_dtype)
         except ValueError as e:
             raise GenerationError(str(e)) from None
-        for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
-            if not (isinstance(value, int) and value >= 1):
-                raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
-        if max_cache_len is not None and not (isinstance(max_cache_len, int) and max_cache_len >= 1):
-            raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
+        if ssd_impl is not None and ssd_impl not in SSD_IMPLS:
+            raise GenerationError(f"ssd_impl must be one of {', '.join(SSD_IMPLS)}, got {ssd_impl!r}")
+        _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights)
         if model is None:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
                 raise GenerationError(NO_MODEL_MESSAGE)
             if weight_dtype == AUTO:
-                dtypes = model_dtypes(dtype, auto_weight_dtype(model_dir, dtype))
-            model = load_model(model_dir, **dtypes, ssd_impl=ssd_impl, progress=progress)
+                dtypes = model_dtypes(dtype or "float32", auto_weight_dtype(model_dir, dtype or "float32"))
+            model = load_model(model_dir, **dtypes, ssd_impl=ssd_impl or "xla", progress=progress)
+        else:
+            _check_given_model(model, dtype, weight_dtype)
+            if ssd_impl is not None and ssd_impl != model.cfg.ssd_impl:
+                model = with_ssd_impl(model, ssd_impl)
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         self.model = model
         self.cfg: ModelConfig = model.cfg
@@ -398,7 +404,7 @@ class Generator:
     @property
     def weight_dtype(self) -> str | list[str]:
         """The dtype name the model's weights are in (`model.weight_dtype`)."""
-        return weight_dtype(self.model)
+        return weight_dtype_of(self.model)
 
     def generate(
         self,
@@ -417,6 +423,8 @@ class Generator:
         `stream_callback(row, text)` receives each row's text as it is produced.
         """
         sampling = _sampling_config(sampling, sampling_options)
+        if stream_callback is not None and not callable(stream_callback):
+            raise GenerationError(f"stream_callback must be callable, got {type(stream_callback).__name__}")
         texts, prompt_ids = self.encode(prompts, chat=chat, system=system)
         if sampling.stop_strings and self.tokenizer is None:
             raise GenerationError("stop_strings need a tokenizer, and this model directory has none")
@@ -443,6 +451,12 @@ class Generator:
         """(prompt texts or None, token ids) of a prompt or batch, validated."""
         if isinstance(prompts, str):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence | np.ndarray) or isinstance(prompts, bytes | bytearray):
+            raise GenerationError(
+                f"prompts must be a string, token ids, or a list of either; got {type(prompts).__name__}"
+            )
+        if system is not None and not isinstance(system, str):
+            raise GenerationError(f"system must be a string or None, got {type(system).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise GenerationError("no prompts given")
@@ -509,7 +523,12 @@ class Generator:
         token i - 1: the same positions a full forward over prompt + continuation scores.
         """
         _, prompt_ids = self.encode(prompts)
-        forced = np.asarray(continuation, np.int32).reshape(len(prompt_ids), -1)
+        rows = [self._check_ids(i, ids) for i, ids in enumerate(continuation)]
+        if len(rows) != len(prompt_ids) or len({len(r) for r in rows}) != 1:
+            raise GenerationError(
+                f"continuation: expected {len(prompt_ids)} row(s) of one length, got lengths {[len(r) for r in rows]}"
+            )
+        forced = np.asarray(rows, np.int32)
         layout = self.layout([len(ids) for ids in prompt_ids], forced.shape[1] + 1)
         params = SamplingConfig().device_params()
         decode = self._compile_decode(layout, params)
@@ -535,9 +554,8 @@ class Generator:
         for name, text in ((f"prompt {index + 1}", prompt), ("the system message", system or "")):
             _check_utf8(name, text)
         if self.tokenizer is None:
-            raise GenerationError(
-                f"{self.model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json); pass token ids"
-            )
+            where = f"{self.model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)"
+            raise GenerationError(f"{where if self.model_dir else 'no tokenizer was given'}; pass token ids")
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise GenerationError(f"{self.model_dir}: the tokenizer has no chat template")
@@ -712,7 +730,31 @@ def _is_token_id(x) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
+def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights) -> None:
+    is_size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
+        if not is_size(value):
+            raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
+    if max_cache_len is not None and not is_size(max_cache_len):
+        raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
+    if pack_weights not in (None, True, False):
+        raise GenerationError(f"pack_weights must be None, True or False, got {pack_weights!r}")
+
+
+def _check_given_model(model: Granite, dtype: str | None, weight_dtype: str | None) -> None:
+    """dtype and weight_dtype choose how a checkpoint is loaded; a model given as it is must not contradict them."""
+    computes, stored = jnp.dtype(model.dtype).name, weight_dtype_of(model)
+    if dtype is not None and dtype != computes:
+        raise GenerationError(f"dtype={dtype!r}, but the model given computes in {computes} (dtype applies to loading)")
+    if weight_dtype not in (AUTO, None) and weight_dtype != stored:
+        raise GenerationError(
+            f"weight_dtype={weight_dtype!r}, but the model given holds {stored} weights (it applies to loading)"
+        )
+
+
 def _sampling_config(sampling: SamplingConfig | None, options: dict[str, Any]) -> SamplingConfig:
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise GenerationError(f"sampling must be a SamplingConfig (or None), got {type(sampling).__name__}")
     try:
         if sampling is None:
             return SamplingConfig(**options)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -55,9 +56,14 @@ class SamplingConfig:
         temperature, top_p, top_k, seed, n = self.temperature, self.top_p, self.top_k, self.seed, self.max_new_tokens
         _check(_is_number(temperature) and temperature >= 0, f"temperature must be >= 0, got {temperature!r}")
         _check(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+        _check(np.float32(top_p) > 0, f"top_p={top_p!r} is 0 as a float32 (the sampler's precision): it keeps nothing")
         _check(_is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
+        _check(top_k <= _INT_MAX, f"top_k must be below 2**31, got {top_k!r}")
         _check(_is_int(seed) and 0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
         _check(_is_int(n) and n >= 1, f"max_new_tokens must be an integer >= 1, got {n!r}")
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
+            object.__setattr__(self, name, kind(getattr(self, name)))  # numpy scalars as Python numbers
+        object.__setattr__(self, "max_new_tokens", int(n))
         if self.stop_token_ids is not None:
             ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
             bad = [i for i in ids if not (_is_int(i) and i >= 0)]
@@ -90,12 +96,12 @@ def _check(ok: bool, message: str) -> None:
         raise GenerationError(message)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _is_int(x) -> bool:  # Python or numpy integers, not bools
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+def _is_number(x) -> bool:  # finite Python or numpy reals, not bools
+    return (_is_int(x) or isinstance(x, float | np.floating)) and math.isfinite(x)
 
 
 def _is_utf8(s: str) -> bool:

@@ -34,12 +34,15 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.fixture
 def h200_target():
     """A compile-only H200 (`pallas_kernels.aot`) for the `aot` tests; skips where deviceless CUDA compilation is
-    unavailable (`make test` runs them with the CUDA PJRT plugin)."""
+    unavailable, but fails under GRANITE_JAX_REQUIRE_AOT=1 (`make test` runs them with the CUDA PJRT plugin and sets it,
+    so that its aot step cannot pass with nothing run)."""
     from pallas_kernels import aot
 
     try:
         return aot.gpu_device("h200")
     except aot.AotUnavailableError as e:
+        if os.environ.get("GRANITE_JAX_REQUIRE_AOT") == "1":
+            pytest.fail(f"GRANITE_JAX_REQUIRE_AOT=1 but {e}")
         pytest.skip(str(e))
 
 

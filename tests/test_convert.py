@@ -32,7 +32,7 @@ def _leaves(model):
 def test_round_trip_equals_hf_load(tiny_checkpoint, orbax_checkpoint):
     from_hf, from_orbax = load_model(tiny_checkpoint), load_model(orbax_checkpoint)
     assert len(_leaves(from_hf)) == len(_leaves(from_orbax))
-    for a, b in zip(_leaves(from_hf), _leaves(from_orbax)):
+    for a, b in zip(_leaves(from_hf), _leaves(from_orbax), strict=True):
         assert a.dtype == b.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -49,7 +49,7 @@ def test_restore_straight_to_bfloat16(orbax_checkpoint, tiny_checkpoint):
     model = load_model(orbax_checkpoint, dtype=jnp.bfloat16)
     assert {x.dtype for x in _leaves(model)} == {jnp.dtype(jnp.bfloat16)}
     reference = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
-    for a, b in zip(_leaves(reference), _leaves(model)):
+    for a, b in zip(_leaves(reference), _leaves(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -144,5 +144,5 @@ def test_export_to_hf_safetensors_round_trip(orbax_checkpoint, tmp_path):
     model = load_model(orbax_checkpoint)
     convert.export_safetensors(model, tmp_path / "hf")
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
-    for a, b in zip(_leaves(model), _leaves(load_model(tmp_path / "hf"))):
+    for a, b in zip(_leaves(model), _leaves(load_model(tmp_path / "hf")), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -255,6 +256,8 @@ def test_model_eos_stops_by_default(generator):
     result = generator.generate(PROMPTS[1], SamplingConfig(max_new_tokens=32, stop_token_ids=(eos,)))[0]
     default = generator.generate(PROMPTS[1], SamplingConfig(max_new_tokens=32))[0]
     assert default.token_ids == result.token_ids
+    assert default.token_ids[-1] == eos and default.finish_reason == "stop_token"  # the continuation reaches EOS
+    assert len(default.token_ids) < 32
 
 
 def test_stop_string_cuts_the_text_and_streaming_matches(generator, alone):
@@ -323,6 +326,9 @@ def test_weights_are_packed_for_batched_decoding_unless_declined(checkpoint, gen
         ([[1, 2], []], "prompt 2 is empty"),
         ([[1, 10**6]], r"token id 1000000 is outside \[0, vocab_size="),
         (["ab\udcff"], "prompt 1 is not valid UTF-8 text"),  # an undecodable byte from argv (surrogateescape)
+        (b"hello", "prompts must be a string, token ids, or a list of either; got bytes"),
+        ({"hello": 1}, "prompts must be a string, token ids, or a list of either; got dict"),
+        (None, "prompts must be a string, token ids, or a list of either; got NoneType"),
     ],
 )
 def test_invalid_prompts_are_rejected(generator, prompts, message):
@@ -339,6 +345,45 @@ def test_invalid_sampling_values_are_rejected(generator):
         generator.generate("hi", stop_token_ids=(99999,))
     with pytest.raises(GenerationError, match="weight_dtype must be auto, None or one of float32, bfloat16, float16"):
         Generator(model=generator.model, tokenizer=generator.tokenizer, weight_dtype="int8")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(dtype="bfloat16"), "dtype='bfloat16', but the model given computes in float32"),
+        (dict(weight_dtype="bfloat16"), "weight_dtype='bfloat16', but the model given holds float32 weights"),
+        (dict(ssd_impl="fast"), "ssd_impl must be one of xla, naive, pallas, got 'fast'"),
+        (dict(prefill_chunk=True), "prefill_chunk must be an integer >= 1, got True"),
+        (dict(max_cache_len=True), "max_cache_len must be an integer >= 1 or None, got True"),
+        (dict(pack_weights="no"), "pack_weights must be None, True or False, got 'no'"),
+    ],
+)
+def test_generator_options_that_contradict_the_model_are_rejected(generator, options, message):
+    with pytest.raises(GenerationError, match=re.escape(message)):
+        Generator(model=generator.model, tokenizer=generator.tokenizer, **options)
+
+
+def test_a_given_model_runs_the_ssd_impl_asked_for(generator, alone):
+    naive = Generator(model=generator.model, tokenizer=generator.tokenizer, ssd_impl="naive")
+    assert naive.cfg.ssd_impl == "naive" and generator.cfg.ssd_impl == "xla"
+    assert naive.generate(PROMPTS[0], GREEDY_32)[0].token_ids == alone[0]
+
+
+def test_request_arguments_of_the_wrong_kind_are_rejected(generator):
+    for kwargs, message in [
+        (dict(system=5, chat=True), "system must be a string or None, got int"),
+        (dict(stream_callback=5), "stream_callback must be callable, got int"),
+        (dict(sampling={"max_new_tokens": 2}), "sampling must be a SamplingConfig (or None), got dict"),
+    ]:
+        with pytest.raises(GenerationError, match=re.escape(message)):
+            generator.generate("hi", **kwargs)
+    no_tokenizer = Generator(model=generator.model)
+    with pytest.raises(GenerationError, match="no tokenizer was given; pass token ids"):
+        no_tokenizer.generate("hi")
+    with pytest.raises(GenerationError, match=re.escape("continuation: expected 1 row(s) of one length")):
+        generator.teacher_forced_logits([[5, 6]], [[1, 2], [3, 4]])
+    with pytest.raises(GenerationError, match="token id 1000000 is outside"):
+        generator.teacher_forced_logits([[5, 6]], [[1, 10**6]])
 
 
 def test_token_ids_from_a_tokenizer_that_does_not_fit_the_model_are_rejected(generator):

@@ -21,7 +21,7 @@ from granite_jax.generate import SamplingConfig, _decode_step, _prefill_segment,
 from granite_jax.model import Cache, Granite, with_ssd_impl
 from granite_jax.presets import released_config
 
-TOLERANCE = 1e-4  # float32 throughout: relative (Frobenius) error of the logits
+TOLERANCE = 1e-5  # float32 throughout: relative (Frobenius) error of the logits (measured 4-6e-7)
 TINY = ModelConfig(
     vocab_size=64,
     hidden_size=32,

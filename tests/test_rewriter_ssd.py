@@ -185,5 +185,5 @@ def test_naive_model_matches_xla():
     fast = rewriter.rewrite(model, options=GATE_OFF)
     xla_graphdef, xla_state = nnx.split(Granite(tiny_config("xla"), rngs=nnx.Rngs(0)))
     expected = jax.jit(lambda state, tokens: nnx.merge(xla_graphdef, state)(tokens))(xla_state, tokens)
-    assert_close_to(fast(state, tokens), expected, rtol=1e-4)
+    assert_close_to(fast(state, tokens), expected, rtol=1e-5)  # measured 2e-7
     assert_lists_ssd_sites(fast.last_report, layers=3)  # three Mamba layers

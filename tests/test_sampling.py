@@ -153,6 +153,8 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
         (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
         (dict(top_k=-1), r"top_k must be an integer >= 0, got -1"),
         (dict(top_k=2.5), r"top_k must be an integer >= 0"),
+        (dict(top_k=2**31), r"top_k must be below 2\*\*31"),
+        (dict(top_p=1e-50), r"top_p=1e-50 is 0 as a float32"),
         (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1, got 0"),
         (dict(seed=-1), r"seed must be an integer"),
         (dict(stop_strings=("",)), r"stop_strings must be non-empty UTF-8 strings"),
@@ -170,3 +172,17 @@ def test_lists_become_tuples():
     config = SamplingConfig(stop_strings=["a", "b"], stop_token_ids=[1, 2])
     assert config.stop_strings == ("a", "b") and config.stop_token_ids == (1, 2)
     hash(config)
+
+
+def test_numpy_scalars_are_numbers():
+    config = SamplingConfig(
+        temperature=np.float32(0.5),
+        top_p=np.float64(0.9),
+        top_k=np.int64(4),
+        seed=np.int32(3),
+        max_new_tokens=np.int64(7),
+    )
+    assert (config.temperature, config.top_p, config.top_k, config.seed, config.max_new_tokens) == (0.5, 0.9, 4, 3, 7)
+    assert all(type(v) in (int, float) for v in (config.temperature, config.top_k, config.max_new_tokens))
+    with pytest.raises(GenerationError, match="temperature must be >= 0"):
+        SamplingConfig(temperature=np.bool_(True))
