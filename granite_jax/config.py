@@ -58,6 +58,7 @@ class ModelConfig:
     ssd_impl: str = "xla"
 
     def __post_init__(self):
+        self._normalize()
         self._check_values()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
@@ -82,8 +83,18 @@ class ModelConfig:
         if self.rope_theta is not None and self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
+    def _normalize(self) -> None:
+        """Lists stored as the tuples the fields hold (so configs hash and compare), one eos_token_id int as a tuple."""
+        for name in ("layer_types", "eos_token_id", "time_step_limit"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if isinstance(self.eos_token_id, int) and not isinstance(self.eos_token_id, bool):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
+
     def _check_values(self) -> None:
         """Each field on its own: layer types known, sizes positive integers, scalars finite numbers."""
+        if not isinstance(self.layer_types, tuple):
+            raise ConfigError(f"layer_types: expected a sequence of layer types, got {self.layer_types!r}")
         if not self.layer_types:
             raise ConfigError("layer_types: empty; a model needs at least one layer")
         for i, t in enumerate(self.layer_types):
@@ -105,8 +116,14 @@ class ModelConfig:
         for name in ("bos_token_id", "pad_token_id"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 0)
+        if not isinstance(self.eos_token_id, tuple):
+            raise ConfigError(f"eos_token_id: expected a token id or a sequence of them, got {self.eos_token_id!r}")
         for i, token in enumerate(self.eos_token_id):
             _check_int(f"eos_token_id[{i}]", token, 0)
+        for name in ("tie_word_embeddings", "mamba_conv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected True or False, got {getattr(self, name)!r}")
+        _check_time_step_limit(self.time_step_limit)
 
     @property
     def num_layers(self) -> int:
@@ -255,14 +272,19 @@ def _rope_theta(d: dict[str, Any]) -> float | None:
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:
+    """The JSON value as (low, high) floats; `_check_time_step_limit` checks it when the config is built."""
     if value is None:
         return (0.0, math.inf)
     if not isinstance(value, list | tuple) or len(value) != 2:
         raise ConfigError(f"time_step_limit: expected [low, high], got {value!r}")
-    lo, hi = (_json_float(v) for v in value)
-    if not lo <= hi:
-        raise ConfigError(f"time_step_limit: {value!r} must be (low, high) with low <= high")
-    return (lo, hi)
+    return tuple(_json_float(v) for v in value)
+
+
+def _check_time_step_limit(value: Any) -> None:
+    numbers = isinstance(value, tuple) and len(value) == 2
+    numbers = numbers and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    if not numbers or not value[0] <= value[1]:
+        raise ConfigError(f"time_step_limit: {value!r} must be (low, high), two numbers with low <= high")
 
 
 def _json_float(v: Any) -> float:

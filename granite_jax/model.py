@@ -17,6 +17,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -434,7 +435,10 @@ class Granite(nnx.Module):
         self.packed_embedding: Packed | None = nnx.data(None)  # the tied output embedding, packed like `Linear.pack`
 
     def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:
-        """Logits (b, T, vocab) of left-padded tokens (b, T); `pad[b]` counts row b's padding tokens."""
+        """Logits (b, T, vocab) of left-padded tokens (b, T); `pad[b]` counts row b's padding tokens.
+
+        Concrete arguments are checked (ValueError); traced ids out of [0, vocab_size) make their row's logits NaN.
+        """
         logits, _, _ = self.forward(tokens, pad=pad)
         return logits
 
@@ -451,13 +455,17 @@ class Granite(nnx.Module):
 
         With a cache the tokens occupy slots [cache.index, cache.index + T) and `pad` is taken from the cache.
         `last_only` computes logits for the last position only (prefill); `return_hidden` collects every layer's output.
+        Shapes and dtypes are checked, and so are the values of concrete (untraced) tokens and pad: ValueError. Traced
+        token ids out of [0, vocab_size), negative ones included, make their row's logits NaN (see `embed`).
         """
+        tokens = _checked_tokens(tokens, self.cfg.vocab_size)
         b, T = tokens.shape
         if cache is not None:
+            _check_cache_batch(cache, b)
             _check_room(cache, T)
             pos = Positions(cache.index + jnp.arange(T, dtype=jnp.int32), cache.pad)
         else:
-            pad = jnp.zeros((b,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
+            pad = jnp.zeros((b,), jnp.int32) if pad is None else _checked_pad(pad, b, T)
             pos = Positions(jnp.arange(T, dtype=jnp.int32), pad)
         x = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
         hidden, states = [], []
@@ -476,8 +484,13 @@ class Granite(nnx.Module):
 
     def embed(self, tokens: Array) -> Array:
         """The embedding rows of tokens (b, T), in the activations' dtype: gathered, then cast (`nnx.Embed` casts the
-        whole table first, a copy of it per call when the weights are kept in another dtype)."""
-        return jnp.take(self.embed_tokens.embedding[...], tokens, axis=0).astype(self.dtype)
+        whole table first, a copy of it per call when the weights are kept in another dtype).
+
+        Ids out of [0, vocab_size) give rows of NaN: negative ones are sent past the end first, as `take` would
+        otherwise wrap them around (-1 reading the last row)."""
+        table = self.embed_tokens.embedding[...]
+        ids = jnp.where(tokens < 0, table.shape[0], tokens)
+        return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
 
     def head(self, x: Array) -> Array:
         """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""
@@ -492,6 +505,47 @@ class Granite(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling
+
+
+def _concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _checked_tokens(tokens, vocab_size: int) -> Array:
+    """tokens as an array, after checking they are (b, T) integers, non-empty, and (when concrete) valid ids."""
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)  # range-checked before any narrowing
+    if tokens.ndim != 2 or not tokens.size:
+        raise ValueError(f"tokens: expected a non-empty (batch, length) array, got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens: expected integer token ids, got dtype {tokens.dtype}")
+    if _concrete(tokens):
+        _check_range("tokens", tokens, 0, vocab_size, f"token ids in [0, vocab_size={vocab_size})")
+    return jnp.asarray(tokens)
+
+
+def _checked_pad(pad, b: int, T: int) -> Array:
+    """pad as int32 (b,), after checking its shape, dtype and (when concrete) that 0 <= pad < T."""
+    pad = pad if isinstance(pad, jax.Array) else np.asarray(pad)
+    if pad.shape != (b,):
+        raise ValueError(f"pad: expected shape ({b},), one count per row of tokens, got shape {pad.shape}")
+    if not jnp.issubdtype(pad.dtype, jnp.integer):
+        raise ValueError(f"pad: expected integer padding counts, got dtype {pad.dtype}")
+    if _concrete(pad):
+        _check_range("pad", pad, 0, T, f"0 <= pad < T={T} (each row needs a real token)")
+    return jnp.asarray(pad, jnp.int32)
+
+
+def _check_range(name: str, x: Array, low: int, high: int, expected: str) -> None:
+    values = np.asarray(x)
+    bad = np.argwhere((values < low) | (values >= high))
+    if len(bad):
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(f"{name}[{', '.join(map(str, where))}] = {values[where]}: expected {expected}")
+
+
+def _check_cache_batch(cache: Cache, b: int) -> None:
+    if cache.pad.shape != (b,):
+        raise ValueError(f"cache: holds {cache.pad.shape[0] if cache.pad.ndim else 0} rows, tokens have {b}")
 
 
 def _check_room(cache: Cache, T: int) -> None:

@@ -56,6 +56,17 @@ def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
     return dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype or dtype])
 
 
+def checked_dtype(name: str, value: Any) -> Any:
+    """`value` (a name in DTYPES, or the jnp/np dtype of one) as DTYPES' dtype; ValueError naming `name` otherwise."""
+    try:
+        found = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
+    except (TypeError, ValueError):
+        found = None
+    if found not in DTYPES:
+        raise ValueError(f"{name}: expected one of {', '.join(DTYPES)} (a name or a jnp/np dtype), got {value!r}")
+    return DTYPES[found]
+
+
 AUTO = "auto"  # a weight_dtype that follows the checkpoint: see `auto_weight_dtype`
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
@@ -205,12 +216,13 @@ def load_model(
     """Load a Hugging Face GraniteMoeHybrid checkpoint directory, or a granite-jax orbax one, into a `Granite` model."""
     from granite_jax import checkpoint  # imports this module
 
+    dtype = checked_dtype("dtype", dtype)
+    param_dtype = dtype if param_dtype is None else checked_dtype("param_dtype", param_dtype)
     if checkpoint.is_orbax_checkpoint(model_dir):
         return checkpoint.restore_model(model_dir, dtype=dtype, param_dtype=param_dtype, cfg=cfg, ssd_impl=ssd_impl)
     cfg = cfg or load_config(model_dir)
     if ssd_impl is not None:
         cfg = cfg.replace(ssd_impl=ssd_impl)
-    param_dtype = param_dtype or dtype
     files = checkpoint_files(model_dir)
     abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
     graphdef, state = nnx.split(abstract)

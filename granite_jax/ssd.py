@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from granite_jax import cpu_kernels
@@ -40,7 +41,11 @@ def ssd(
     initial_state: Array | None = None,
     impl: str = "xla",
 ) -> tuple[Array, Array]:
-    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32."""
+    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32.
+
+    Shapes and `chunk_size` (a positive int) are checked at trace time: ValueError naming the argument."""
+    check_chunk_size(chunk_size)
+    check_shapes(x, dt, A, B, C, D, initial_state)
     if impl == "xla":
         return ssd_chunked(x, dt, A, B, C, D, chunk_size=xla_chunk_size(chunk_size), initial_state=initial_state)
     if impl == "naive":
@@ -50,6 +55,43 @@ def ssd(
 
         return ssd_prefill(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
     raise ValueError(f"ssd impl: unknown implementation {impl!r}; expected 'xla', 'naive' or 'pallas'")
+
+
+def check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int | np.integer) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+
+
+def check_shapes(x, dt, A, B, C, D, state=None, *, step: bool = False) -> None:
+    """ValueError naming the first argument whose (static) shape does not fit the others'; see the module docstring.
+
+    `step`: the one-token shapes of `ssd_step` (no L axis), where `state` is required."""
+    axes = ("b",) if step else ("b", "L")
+    x_shape, B_shape = jnp.shape(x), jnp.shape(B)
+    _check_rank("x", x_shape, (*axes, "h", "p"))
+    _check_rank("B", B_shape, (*axes, "g", "n"))
+    lead, (h, p), (g, n) = x_shape[: len(axes)], x_shape[len(axes) :], B_shape[len(axes) :]
+    widths = [jnp.shape(t)[-1] for t in (B, C, state) if t is not None and jnp.ndim(t)]
+    n = max(widths, key=widths.count)  # the state width most of B, C, state agree on: the odd one out is named
+    expected = {
+        "dt": ((*axes, "h"), (*lead, h)),
+        "A": (("h",), (h,)),
+        "B": ((*axes, "g", "n"), (*lead, g, n)),
+        "C": ((*axes, "g", "n"), (*lead, g, n)),
+        "D": (("h",), (h,)),
+        "state" if step else "initial_state": (("b", "h", "p", "n"), (lead[0], h, p, n)),
+    }
+    given = dict(dt=dt, A=A, B=B, C=C, D=D, state=state, initial_state=state)
+    for name, (names, shape) in expected.items():
+        if (step or given[name] is not None) and jnp.shape(given[name]) != shape:
+            raise ValueError(f"{name}: expected shape ({', '.join(names)}) = {shape}, got {jnp.shape(given[name])}")
+    if not g or h % g:
+        raise ValueError(f"B, C: their g={g} groups do not divide x's h={h} heads")
+
+
+def _check_rank(name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> None:
+    if len(shape) != len(names):
+        raise ValueError(f"{name}: expected shape ({', '.join(names)}), got {shape}")
 
 
 CPU_CHUNK = 64
@@ -72,8 +114,9 @@ def ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D:
     """One token: state (b, h, p, n), x (b, h, p), dt (b, h), B and C (b, g, n). Returns (y (b, h, p), new state).
 
     In float32 (float64 if the state or x is): on CPUs the state update runs as one pass over the state
-    (`cpu_kernels.ssm_update`).
+    (`cpu_kernels.ssm_update`). Shapes are checked at trace time (ValueError naming the argument).
     """
+    check_shapes(x, dt, A, B, C, D, state, step=True)
     dtype = jnp.result_type(state.dtype, x.dtype, jnp.float32)
     state, x, dt, A, B, C, D = (t.astype(dtype) for t in (state, x, dt, A, B, C, D))
     state, y = cpu_kernels.ssm_update(state, jnp.exp(dt * A), dt[..., None] * x, B, C)
@@ -84,6 +127,7 @@ def ssd_reference(
     x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, initial_state: Array | None = None
 ) -> tuple[Array, Array]:
     """The recurrence scanned token by token, in the inputs' precision (float64 inputs give a float64 oracle)."""
+    check_shapes(x, dt, A, B, C, D, initial_state)
     b, _, h, p = x.shape
     n = B.shape[-1]
     dtype = jnp.result_type(x.dtype, jnp.float32)
@@ -188,6 +232,8 @@ def ssd_chunked(
     x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, chunk_size: int, initial_state: Array | None = None
 ) -> tuple[Array, Array]:
     """Chunked SSD with dot_general contractions; G = C.B is computed once per group, not per head."""
+    check_chunk_size(chunk_size)
+    check_shapes(x, dt, A, B, C, D, initial_state)
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     r = h // g
@@ -236,6 +282,8 @@ def ssd_chunked_naive(
     Kept deliberately unoptimised (it materialises e.g. a (b, c, l, s, h, n) product for G) as the input of the
     `rewriter` package. Site names follow granite4.md §3.2.
     """
+    check_chunk_size(chunk_size)
+    check_shapes(x, dt, A, B, C, D, initial_state)
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     xdt, a = _discretise(x, dt, A, chunk_size)  # (b, c, l, h, p), (b, h, c, l)

@@ -199,3 +199,27 @@ def test_integral_numbers_and_dense_defaults_are_accepted():
 def test_direct_construction_is_validated_too(changes, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         cfg().replace(**changes)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(time_step_limit=(1.0, 0.0)), r"time_step_limit: \(1.0, 0.0\) must be \(low, high\).*low <= high"),
+        (dict(time_step_limit=("a", 1.0)), "time_step_limit: "),
+        (dict(tie_word_embeddings="no"), "tie_word_embeddings: expected True or False, got 'no'"),
+        (dict(mamba_conv_bias=1), "mamba_conv_bias: expected True or False, got 1"),
+        (dict(eos_token_id=-2), r"eos_token_id\[0\]: expected an integer >= 0, got -2"),
+        (dict(eos_token_id="2"), "eos_token_id: expected a token id or a sequence of them, got '2'"),
+        (dict(layer_types="mamba"), "layer_types: expected a sequence of layer types, got 'mamba'"),
+    ],
+)
+def test_replace_checks_like_config_json(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        cfg().replace(**changes)
+
+
+def test_replace_normalizes_lists_and_one_eos_id_to_tuples():
+    c = cfg().replace(layer_types=["mamba", "attention"], eos_token_id=7, time_step_limit=[0.5, 2.0])
+    assert (c.layer_types, c.eos_token_id, c.time_step_limit) == (("mamba", "attention"), (7,), (0.5, 2.0))
+    assert c.replace(eos_token_id=[3, 4]).eos_token_id == (3, 4)
+    hash(c)

@@ -396,3 +396,44 @@ def test_moe_routes_agree_in_value_and_gradient():
     (_, ragged), grad_ragged = route(moe._ragged)
     (_, rows), grad_rows = route(moe._rows)
     assert rel_err(ragged, rows) <= RTOL and rel_err(grad_ragged, grad_rows) <= RTOL
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint):
+    return load_model(tiny_checkpoint)
+
+
+@pytest.mark.parametrize(
+    "tokens, pad, message",
+    [
+        ([[5, 6, 7, 320]], None, r"tokens\[0, 3\] = 320: expected token ids in \[0, vocab_size=320\)"),
+        ([[5, -1]], None, r"tokens\[0, 1\] = -1"),
+        ([[5.0, 6.0]], None, "tokens: expected integer token ids, got dtype float"),
+        ([5, 6], None, r"tokens: expected a non-empty \(batch, length\) array, got shape \(2,\)"),
+        (np.zeros((1, 0), np.int32), None, r"got shape \(1, 0\)"),
+        (np.zeros((0, 4), np.int32), None, r"got shape \(0, 4\)"),
+        ([[5, 6]], [0, 1], r"pad: expected shape \(1,\), one count per row of tokens, got shape \(2,\)"),
+        ([[5, 6]], 1, r"pad: expected shape \(1,\)"),
+        ([[5, 6]], [2], r"pad\[0\] = 2: expected 0 <= pad < T=2"),
+        ([[5, 6], [5, 6]], [0, -1], r"pad\[1\] = -1"),
+        ([[5, 6]], [0.5], "pad: expected integer padding counts"),
+    ],
+)
+def test_bad_tokens_and_pad_are_named(tiny_model, tokens, pad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model(tokens, pad=pad)
+
+
+def test_cache_of_another_batch_size_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="cache: holds 2 rows, tokens have 1"):
+        tiny_model.forward(jnp.asarray([[5]]), cache=Cache.init(tiny_model.cfg, 2, 8))
+
+
+@pytest.mark.parametrize("bad", [320, -1], ids=["past_vocab", "negative"])
+def test_traced_out_of_range_ids_give_their_row_nan(tiny_model, bad):
+    tokens = jnp.asarray([[5, 6, 7, 8]] * 2)
+    good, poisoned = (
+        np.asarray(_logits(tiny_model, t, jnp.zeros(2, jnp.int32))) for t in (tokens, tokens.at[1, 2].set(bad))
+    )
+    assert np.isnan(poisoned[1]).all()
+    np.testing.assert_array_equal(poisoned[0], good[0])

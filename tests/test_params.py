@@ -238,3 +238,17 @@ def test_bad_orbax_marker_is_named(tmp_path, content, message):
     (d / MARKER).write_bytes(content)
     with pytest.raises(CheckpointError, match=re.escape(f"{d / MARKER}: {message}")):
         load_model(d)
+
+
+@pytest.mark.parametrize("argument", ["dtype", "param_dtype"])
+@pytest.mark.parametrize("value", ["bf16", "float33", 5, jnp.int32, jnp.int8, np.float64, True])
+def test_unsupported_dtype_is_named_with_the_accepted_ones(tiny_checkpoint, argument, value):
+    message = rf"{argument}: expected one of float32, bfloat16, float16 .*got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
+        load_model(tiny_checkpoint, **{argument: value})
+
+
+@pytest.mark.parametrize("value", ["bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16), jnp.dtype("bfloat16")])
+def test_dtype_given_by_name_or_object_loads(tiny_checkpoint, value):
+    model = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=value)
+    assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
