@@ -197,6 +197,7 @@ def restore_model(
             restored = ck.restore(os.path.join(d, STATE_DIR), target)
     except Exception as e:  # orbax raises ValueError/KeyError/FileNotFoundError with long messages
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first.split(" See full TensorStore details")[0]  # the rest is a repr of a bound method
         raise CheckpointError(f"{d}: cannot restore the orbax state for this config ({first})") from None
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
