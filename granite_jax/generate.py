@@ -430,8 +430,8 @@ class Generator:
             raise GenerationError("stop_strings need a tokenizer, and this model directory has none")
         layout = self.layout([len(ids) for ids in prompt_ids], sampling.max_new_tokens)
         stop_ids = frozenset(self.cfg.eos_token_id if sampling.stop_token_ids is None else sampling.stop_token_ids)
-        if beyond := sorted(i for i in stop_ids if i >= self.cfg.vocab_size):
-            raise GenerationError(f"stop token id {beyond[0]} is outside [0, vocab_size={self.cfg.vocab_size})")
+        if sampling.stop_token_ids is not None:  # (the config's eos ids may lie past the vocabulary: they never occur)
+            self._check_vocab("stop token id", sorted(sampling.stop_token_ids))
         # A RoPE model stops at max_position_embeddings (`layout`): such a row ends by "max_position", not "length".
         cut = layout.max_new_tokens < sampling.max_new_tokens
         rows = [
@@ -568,12 +568,8 @@ class Generator:
             ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise GenerationError(f"prompt {index + 1} is empty after tokenization")
-        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise GenerationError(
-                f"prompt {index + 1}: the tokenizer gave token id {bad[0]}, outside [0, vocab_size="
-                f"{self.cfg.vocab_size}) of the model: the tokenizer files do not match this checkpoint"
-            )
+        hint = ": the tokenizer files do not match this checkpoint"
+        self._check_vocab(f"prompt {index + 1}: the tokenizer gave token id", ids, hint)
         return list(ids)
 
     def _check_ids(self, index: int, ids) -> list[int]:
@@ -584,12 +580,12 @@ class Generator:
             raise GenerationError(f"prompt {index + 1}: token ids must be integers")
         if not ids:
             raise GenerationError(f"prompt {index + 1} is empty")
-        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
-        if bad:
-            raise GenerationError(
-                f"prompt {index + 1}: token id {bad[0]} is outside [0, vocab_size={self.cfg.vocab_size})"
-            )
+        self._check_vocab(f"prompt {index + 1}: token id", ids)
         return ids
+
+    def _check_vocab(self, what: str, ids: Sequence[int], hint: str = "") -> None:
+        if bad := [i for i in ids if not 0 <= i < self.cfg.vocab_size]:
+            raise GenerationError(f"{what} {bad[0]} is outside [0, vocab_size={self.cfg.vocab_size}){hint}")
 
     def _view(self, packed: bool) -> tuple[Any, Any, list]:
         """(graphdef, treedef, weights) of the model for the jitted steps; packed: with `pack_for_decoding`'s copies
@@ -737,7 +733,7 @@ def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights) -> N
             raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
     if max_cache_len is not None and not is_size(max_cache_len):
         raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
-    if pack_weights not in (None, True, False):
+    if pack_weights is not None and not isinstance(pack_weights, bool):
         raise GenerationError(f"pack_weights must be None, True or False, got {pack_weights!r}")
 
 
