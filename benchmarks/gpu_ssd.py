@@ -490,8 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lengths",
         type=positive_ints,
-        default=LENGTHS,
-        help="comma-separated L for the SSD and layer timings (not with --smoke, which times L = 40 and 100)",
+        default=argparse.SUPPRESS,  # absent unless given: --smoke refuses it
+        help=f"comma-separated L for the SSD and layer timings; not with --smoke, which times L = 40 and 100 "
+        f"(default: {LENGTHS})",
     )
     p.add_argument("--batch", type=positive_int, default=1, help="batch size of the SSD, layer and sweep timings")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="x, B, C, dt dtype")
@@ -522,8 +523,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU with interpreted kernels (script check)")
     p.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (beside it); no GPU")
     args = p.parse_args(argv)
-    if args.smoke and args.lengths != positive_ints(LENGTHS):
+    if args.smoke and "lengths" in vars(args):
         p.error("--lengths does not apply with --smoke (it times L = 40 and 100)")
+    args.lengths = vars(args).get("lengths") or positive_ints(LENGTHS)
     if not args.replot and (problem := output_file_problem("--out", args.out, make_dir=True)) is not None:
         p.error(problem)
     return args

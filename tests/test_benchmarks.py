@@ -55,6 +55,7 @@ BAD = [
     ("rewrite_ssd.py", ["--json", "{dir}"], "is a directory"),
     ("gpu_ssd.py", ["--smoke", "--decode-batches", "x"], "argument --decode-batches: expected comma-separated"),
     ("gpu_ssd.py", ["--smoke", "--lengths", "64"], "--lengths does not apply with --smoke"),
+    ("gpu_ssd.py", ["--smoke", "--lengths", "2048,8192,32768"], "--lengths does not apply with --smoke"),
     ("gpu_ssd.py", ["--lengths", "2048,x"], "argument --lengths: expected comma-separated positive integers"),
     ("gpu_ssd.py", ["--smoke", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
     ("gpu_ssd.py", ["--smoke", "--sweep", "--sweep-len", "0"], "argument --sweep-len: must be >= 1"),
