@@ -41,7 +41,7 @@ from granite_jax.config import ATTENTION, SSD_IMPLS, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, with_ssd_impl
 from granite_jax.model import weight_dtype as weight_dtype_of
 from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
-from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, sample_tokens
+from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, check_utf8, is_int, sample_tokens
 
 __all__ = ["GenerationError", "Generator", "Result", "SamplingConfig", "Timing", "generate", "main"]
 
@@ -460,7 +460,7 @@ class Generator:
         prompts = list(prompts)
         if not prompts:
             raise GenerationError("no prompts given")
-        if all(_is_token_id(p) for p in prompts):
+        if all(is_int(p) for p in prompts):
             prompts = [prompts]  # one pre-tokenized prompt
         if all(isinstance(p, str) for p in prompts):
             return prompts, [self._tokenize(i, p, chat, system) for i, p in enumerate(prompts)]
@@ -552,7 +552,7 @@ class Generator:
         if not prompt:
             raise GenerationError(f"prompt {index + 1} is empty")
         for name, text in ((f"prompt {index + 1}", prompt), ("the system message", system or "")):
-            _check_utf8(name, text)
+            check_utf8(name, text)
         if self.tokenizer is None:
             where = f"{self.model_dir}: no tokenizer files (tokenizer.json / tokenizer_config.json)"
             raise GenerationError(f"{where if self.model_dir else 'no tokenizer was given'}; pass token ids")
@@ -575,7 +575,7 @@ class Generator:
     def _check_ids(self, index: int, ids) -> list[int]:
         if isinstance(ids, str) or not isinstance(ids, Sequence | np.ndarray):
             raise GenerationError("prompts must be all strings or all lists of token ids")
-        ids = [int(i) for i in ids] if all(_is_token_id(i) for i in ids) else None
+        ids = [int(i) for i in ids] if all(is_int(i) for i in ids) else None
         if ids is None:
             raise GenerationError(f"prompt {index + 1}: token ids must be integers")
         if not ids:
@@ -710,20 +710,8 @@ class Generator:
         return len(live)
 
 
-def _check_utf8(name: str, text: str) -> None:
-    """Text from argv or a file read with surrogateescape can hold bytes that are not UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise GenerationError(f"{name} is not valid UTF-8 text (at character {e.start})") from None
-
-
 def has_attention(cfg: ModelConfig) -> bool:
     return ATTENTION in cfg.layer_types
-
-
-def _is_token_id(x) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights) -> None:
@@ -768,7 +756,7 @@ def generate(model_dir: str | os.PathLike | None, prompt: Prompts, **kwargs: Any
     init_keys = set(inspect.signature(Generator).parameters) - {"model_dir", "model", "tokenizer"}
     generator = Generator(model_dir, **{k: v for k, v in kwargs.items() if k in init_keys})
     results = generator.generate(prompt, **{k: v for k, v in kwargs.items() if k not in init_keys})
-    single = isinstance(prompt, str) or (len(prompt) > 0 and all(_is_token_id(t) for t in prompt))
+    single = isinstance(prompt, str) or (len(prompt) > 0 and all(is_int(t) for t in prompt))
     return results[0] if single else results
 
 
@@ -864,9 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
         "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32, the "
         "checkpoint stores bfloat16 and the CPU kernels run, else --dtype (auto)",
     )
-    r.add_argument(
-        "--ssd-impl", choices=["xla", "naive", "pallas"], default="xla", help="Mamba-2 SSD implementation (xla)"
-    )
+    r.add_argument("--ssd-impl", choices=SSD_IMPLS, default="xla", help="Mamba-2 SSD implementation (xla)")
     r.add_argument(
         "--prefill-chunk",
         type=int,

@@ -47,15 +47,6 @@ WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the req
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # the dtype names commands take
 
 
-def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
-    """`load_model`'s dtype and param_dtype from names: activations in `dtype`, weights in `weight_dtype` (None:
-    dtype). A name outside DTYPES raises ValueError naming the argument."""
-    for name, value in (("dtype", dtype), ("weight_dtype", weight_dtype or dtype)):
-        if value not in DTYPES:
-            raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
-    return dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weight_dtype or dtype])
-
-
 def checked_dtype(name: str, value: Any) -> Any:
     """`value` (a name in DTYPES, or the jnp/np dtype of one) as DTYPES' dtype; ValueError naming `name` otherwise."""
     try:
@@ -63,8 +54,14 @@ def checked_dtype(name: str, value: Any) -> Any:
     except (TypeError, ValueError):
         found = None
     if found not in DTYPES:
-        raise ValueError(f"{name}: expected one of {', '.join(DTYPES)} (a name or a jnp/np dtype), got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
     return DTYPES[found]
+
+
+def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
+    """`load_model`'s dtype and param_dtype: activations in `dtype`, weights in `weight_dtype` (None: dtype)."""
+    weights = dtype if weight_dtype is None else weight_dtype
+    return dict(dtype=checked_dtype("dtype", dtype), param_dtype=checked_dtype("weight_dtype", weights))
 
 
 AUTO = "auto"  # a weight_dtype that follows the checkpoint: see `auto_weight_dtype`

@@ -57,21 +57,23 @@ class SamplingConfig:
         _check(_is_number(temperature) and temperature >= 0, f"temperature must be >= 0, got {temperature!r}")
         _check(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
         _check(np.float32(top_p) > 0, f"top_p={top_p!r} is 0 as a float32 (the sampler's precision): it keeps nothing")
-        _check(_is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
+        _check(is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
         _check(top_k <= _INT_MAX, f"top_k must be below 2**31, got {top_k!r}")
-        _check(_is_int(seed) and 0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
-        _check(_is_int(n) and n >= 1, f"max_new_tokens must be an integer >= 1, got {n!r}")
+        _check(is_int(seed) and 0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
+        _check(is_int(n) and n >= 1, f"max_new_tokens must be an integer >= 1, got {n!r}")
         for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
             object.__setattr__(self, name, kind(getattr(self, name)))  # numpy scalars as Python numbers
         object.__setattr__(self, "max_new_tokens", int(n))
         if self.stop_token_ids is not None:
             ids = _as_tuple(self.stop_token_ids, "stop_token_ids")
-            bad = [i for i in ids if not (_is_int(i) and i >= 0)]
+            bad = [i for i in ids if not (is_int(i) and i >= 0)]
             _check(not bad, f"stop_token_ids must be integers >= 0, got {bad[0]!r}" if bad else "")
             object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         strings = _as_tuple(self.stop_strings, "stop_strings")
-        bad = [s for s in strings if not (isinstance(s, str) and s and _is_utf8(s))]
-        _check(not bad, f"stop_strings must be non-empty UTF-8 strings, got {bad[0]!r}" if bad else "")
+        bad = [s for s in strings if not (isinstance(s, str) and s)]
+        _check(not bad, f"stop_strings must be non-empty strings, got {bad[0]!r}" if bad else "")
+        for i, s in enumerate(strings):
+            check_utf8(f"stop_strings[{i}]", s)
         object.__setattr__(self, "stop_strings", strings)
 
     @property
@@ -96,20 +98,21 @@ def _check(ok: bool, message: str) -> None:
         raise GenerationError(message)
 
 
-def _is_int(x) -> bool:  # Python or numpy integers, not bools
+def is_int(x) -> bool:
+    """A Python or numpy integer, not a bool (what sampling options and token ids accept)."""
     return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
 
 
 def _is_number(x) -> bool:  # finite Python or numpy reals, not bools
-    return (_is_int(x) or isinstance(x, float | np.floating)) and math.isfinite(x)
+    return (is_int(x) or isinstance(x, float | np.floating)) and math.isfinite(x)
 
 
-def _is_utf8(s: str) -> bool:
+def check_utf8(name: str, text: str) -> None:
+    """GenerationError if `text` holds a lone surrogate: bytes from argv or a file that were not UTF-8."""
     try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: bytes from argv or a file that were not UTF-8
-        return False
-    return True
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise GenerationError(f"{name} is not valid UTF-8 text (at character {e.start})") from None
 
 
 def _as_tuple(x, name: str) -> tuple:

@@ -13,7 +13,7 @@ group i // (h // g); state (b, h, p, n) in float32.
 - `ssd_chunked` is the chunked algorithm (Mamba-2 paper §6, `ssd_minimal.py`) with einsum contractions and a scan
   across chunk boundaries: `"xla"`.
 - `ssd_chunked_naive` is the same algorithm as transformers' historical `torch_forward` wrote it, every contraction a
-  broadcast product followed by a sum (sites S1-S6 of granite4.md §3.2): `"naive"`, the rewriter's input.
+  broadcast product followed by a sum (sites S1-S6, docs/rewriter.md): `"naive"`, the rewriter's input.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def ssd(
 ) -> tuple[Array, Array]:
     """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32.
 
-    Shapes and `chunk_size` (a positive int) are checked at trace time: ValueError naming the argument."""
-    check_chunk_size(chunk_size)
-    check_shapes(x, dt, A, B, C, D, initial_state)
+    Shapes and `chunk_size` (a positive int) are checked at trace time, by each implementation: ValueError naming
+    the argument."""
+    check_chunk_size(chunk_size)  # before xla_chunk_size uses it
     if impl == "xla":
         return ssd_chunked(x, dt, A, B, C, D, chunk_size=xla_chunk_size(chunk_size), initial_state=initial_state)
     if impl == "naive":
@@ -280,7 +280,7 @@ def ssd_chunked_naive(
     """The chunked SSD as transformers' `torch_forward` wrote it before einsums: broadcast products plus sums.
 
     Kept deliberately unoptimised (it materialises e.g. a (b, c, l, s, h, n) product for G) as the input of the
-    `rewriter` package. Site names follow granite4.md §3.2.
+    `rewriter` package. Site names (S1-S6) follow docs/rewriter.md.
     """
     check_chunk_size(chunk_size)
     check_shapes(x, dt, A, B, C, D, initial_state)

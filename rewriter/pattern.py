@@ -245,20 +245,14 @@ class _Walk:
             if eqn is None:
                 return None
             shared = shared or self.m.uses[atom] > 1
-            name = eqn.primitive.name
-            if name == "mul":
+            if eqn.primitive.name == "mul":
                 if shared:
                     self.products.append(atom)
                     return "shared"
                 self.tree(atom, dims, exclusive=True)
                 return "ok"
-            if name == "neg" and not shared:
-                self.sign = -self.sign
-                atom = eqn.invars[0]
-                continue
-            if name == "div" and not shared and (divisor := self.scalar(eqn.invars[1], dims)) is not None:
-                self.leaves.append(divisor)
-                atom = eqn.invars[0]
+            if not shared and (below := self.scale(eqn, dims)) is not None:
+                atom = below
                 continue
             src = self.view(atom, eqn, dims, not shared)
             if src is None:
@@ -277,25 +271,32 @@ class _Walk:
         only then is a product below it computed inside the contraction (else it is an operand, computed anyway)."""
         eqn = self.m.eqn_of(atom)
         owned = exclusive and isinstance(atom, Var) and self.m.uses[atom] == 1
-        name = eqn.primitive.name if eqn is not None else None
-        if owned and name == "mul":
+        if eqn is None:  # an input or a literal
+            self.leaves.append(Operand(atom, dims, owned))
+            return
+        if owned and eqn.primitive.name == "mul":
             self.products.append(atom)
             for x in eqn.invars:
                 self.tree(x, dims if x.aval.ndim == len(dims) else (None,) * x.aval.ndim, True)
             return
-        if owned and name == "neg":
-            self.sign = -self.sign
-            self.tree(eqn.invars[0], dims, True)
+        if owned and (below := self.scale(eqn, dims)) is not None:
+            self.tree(below, dims, True)
             return
-        if owned and name == "div" and (divisor := self.scalar(eqn.invars[1], dims)) is not None:
-            self.leaves.append(divisor)
-            self.tree(eqn.invars[0], dims, True)
-            return
-        src = self.view(atom, eqn, dims, owned) if eqn is not None else None
+        src = self.view(atom, eqn, dims, owned)
         if src is not None:
             self.tree(eqn.invars[0], src, owned)
             return
         self.leaves.append(Operand(atom, dims, owned))
+
+    def scale(self, eqn: JaxprEqn, dims: Dims):
+        """The value under a negation or a division by a scalar (its sign or divisor recorded), else None."""
+        if eqn.primitive.name == "neg":
+            self.sign = -self.sign
+            return eqn.invars[0]
+        if eqn.primitive.name == "div" and (divisor := self.scalar(eqn.invars[1], dims)) is not None:
+            self.leaves.append(divisor)
+            return eqn.invars[0]
+        return None
 
     def scalar(self, atom, dims: Dims) -> Operand | None:
         """`atom` as a divisor when it is one value broadcast (through views only) over the product's dims."""

@@ -353,7 +353,7 @@ def test_float32_prefill_on_bfloat16_weights_keeps_no_float32_copy_of_them(tiny_
     assert temp[jnp.bfloat16] <= temp[jnp.float32] + max(widened) < temp[jnp.float32] + sum(widened) / 2
 
 
-# Published totals (ibm.com/granite/docs; granite4.md §5): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.
+# Published totals (ibm.com/granite/docs): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.
 @pytest.mark.parametrize(
     "name, billions, tol",
     [
