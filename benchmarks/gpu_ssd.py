@@ -11,7 +11,8 @@
    "pallas_y16" (y in the input dtype, the traffic the roofline assumes). Calls are timed in back-to-back batches.
 3. Times one whole Mamba layer (`granite_jax.model.MambaMixer`, in_proj -> conv -> SSD -> gated norm -> out_proj) with
    each SSD implementation, and the decode update at a few batch sizes.
-   The Pallas prefill's two kernels (state walk, outputs) are also timed apart (--no-split leaves that out).
+   The Pallas prefill's three kernels (chunk-local states, the pass over chunks, outputs) are also timed apart
+   (--no-split leaves that out).
 4. Optionally (--sweep) times a few `PrefillConfig` tilings of the Pallas prefill at one length.
 
 Every timing prints time, achieved TFLOP/s and GB/s, and the fraction of the ceilings (H200 by default: 4.8 TB/s,
@@ -47,19 +48,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H200 = dict(peak_tflops=990.0, peak_gbs=4800.0)
 H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)
 SMOKE = dict(h=4, p=16, g=1, n=16, chunk=16)
-SWEEP = [  # around the defaults (16-bit inputs: block_k=128, output_stages=3 since the 2026-11-30 H200 sweep)
+SWEEP = [  # around the defaults; the first entry is the defaults
     dict(),
-    dict(block_k=64, output_stages=2),  # the defaults before that sweep
     dict(block_k=64),
+    dict(block_k=256),
+    dict(block_k=32),
+    dict(state_warps=8),
+    dict(pass_block=4096),
+    dict(output_warps=8),
     dict(output_stages=2),
     dict(output_stages=4),
-    dict(heads_per_program=2),
-    dict(block_p=64),
-    dict(block_p=16, block_n=64),
-    dict(block_m=32),
     dict(block_m=128, output_warps=8),
-    dict(state_warps=8),
-    dict(state_stages=3),
+    dict(heads_per_program=2),
 ]
 
 
@@ -299,21 +299,26 @@ def bench_ssd(d: Dims, dtype, ceilings: dict, min_seconds: float, naive: bool, s
 
 
 def bench_split(d: Dims, dtype, min_seconds: float) -> list[dict]:
-    """The Pallas prefill's two kernels timed apart: the sequential state walk, then the outputs from its entering
-    states (the module's private stages, called as `ssd_prefill` calls them, with the default tiling)."""
+    """The Pallas prefill's three kernels timed apart: chunk-local states, the pass over chunks, and the outputs (the
+    module's private stages, called as `ssd_prefill` calls them, with the default tiling)."""
     import pallas_kernels.prefill as prefill
 
-    print(f"split: the Pallas prefill's two kernels at L={d.L}")
+    print(f"split: the Pallas prefill's kernels at L={d.L}")
     x, dt, A, B, C, D = ssd_inputs(d, dtype)
     cfg, chunk = prefill.PrefillConfig(), prefill.kernel_chunk(d.chunk)
     dt_args = dict(bias=None, softplus=False, limit=(0.0, math.inf))
-    states = jax.jit(lambda x, dt, A, B: prefill._chunk_states(x, dt, A, B, None, chunk, cfg, **dt_args))
+    local_fn = jax.jit(lambda x, dt, A, B: prefill._local_states(x, dt, A, B, chunk, cfg, **dt_args))
+    pass_fn = jax.jit(
+        lambda local, rows: prefill._pass_states(local, rows, None, chunk, cfg, prefill.operand_dtype(x.dtype))
+    )
     outputs = jax.jit(lambda *args: prefill._chunk_outputs(*args, chunk, cfg, jnp.float32))
     results, times = [], {}
     try:
-        states_in, _, dt_rows, decay_rows = states(x, dt, A, B)
+        local, dt_rows, decay_rows = local_fn(x, dt, A, B)
+        states_in, _ = pass_fn(local, decay_rows)
         for name, fn, args in (
-            ("states", states, (x, dt, A, B)),
+            ("local", local_fn, (x, dt, A, B)),
+            ("pass", pass_fn, (local, decay_rows)),
             ("outputs", outputs, (x, B, C, D, dt_rows, decay_rows, states_in)),
         ):
             if out_of_time():
@@ -326,9 +331,9 @@ def bench_split(d: Dims, dtype, min_seconds: float) -> list[dict]:
             print(f"  split   {'pallas_' + name:30s} {rec['us']:10.1f} us", flush=True)
     except Exception as e:  # noqa: BLE001
         results.append(failure("split", "pallas", e, L=d.L))
-    if len(times) == 2:
-        share = times["states"] / (times["states"] + times["outputs"])
-        print(f"  split   state walk's share of the two: {share:.0%}", flush=True)
+    if len(times) == 3:
+        shares = ", ".join(f"{name} {t / sum(times.values()):.0%}" for name, t in times.items())
+        print(f"  split   shares of the three: {shares}", flush=True)
     return results
 
 
@@ -506,7 +511,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--budget-seconds", type=float, default=540, help="skip what is left after this many seconds")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
-    p.add_argument("--no-split", action="store_true", help="skip timing the Pallas prefill's two kernels apart")
+    p.add_argument("--no-split", action="store_true", help="skip timing the Pallas prefill's three kernels apart")
     p.add_argument("--sweep", action="store_true", help="also time a few PrefillConfig tilings at --sweep-len")
     p.add_argument(
         "--sweep-len", type=positive_int, default=8192, help="L of the --sweep timings (--smoke always uses 40)"

@@ -852,7 +852,13 @@ def build_parser() -> argparse.ArgumentParser:
         "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32, the "
         "checkpoint stores bfloat16 and the CPU kernels run, else --dtype (auto)",
     )
-    r.add_argument("--ssd-impl", choices=SSD_IMPLS, default="xla", help="Mamba-2 SSD implementation (xla)")
+    r.add_argument(
+        "--ssd-impl",
+        choices=SSD_IMPLS,
+        default="xla",
+        help="Mamba-2 SSD implementation (xla). pallas: Triton kernels for NVIDIA GPUs, 4.7x xla's SSD at 8k tokens "
+        "with --dtype bfloat16 on an H200, but slower with float32 (docs/kernels.md)",
+    )
     r.add_argument(
         "--prefill-chunk",
         type=int,

@@ -1,19 +1,27 @@
-"""Chunked SSD prefill as two Pallas (Triton) kernels. The definition is `granite_jax.ssd.ssd_reference`.
+"""Chunked SSD prefill as three Pallas (Triton) kernels. The definition is `granite_jax.ssd.ssd_reference`.
 
 Per head, with a_t = dt_t * A and, inside chunk c, the cumulative log-decay s_t = a_{cQ} + ... + a_t:
 
-1. `_chunk_state_kernel`, one program per (batch, head, block of the (p, n) state), walking the sequence in order in
-   steps of `block_k` rows. It computes dt (bias, softplus, clamp) and s, stores the state *entering* each chunk, and
-   advances the state over each step:
+1. `_local_state_kernel`, one program per (batch, chunk, head, block of the (p, n) state), all in parallel. It
+   computes dt (bias, softplus, clamp) and s, and folds the chunk's rows into a state from zero, `block_k` rows per
+   step:
        state <- exp(a_k + ... + a_last) * state + (x * dt * exp(decay from each row to the step's end))^T @ B
-   It writes the entering states (b, c, h, p, n) in the matmul operand dtype, the final state (float32), and dt and s
-   as (b, h, L') float32 rows. This fuses the reference's kernels 1 (cumsum), 2 (chunk states), 3 (state passing).
-2. `_chunk_output_kernel`, one program per (batch, chunk, block of heads, block of rows m), fully parallel:
+   It writes the chunk-local state (b, c, h, p, n) in float32, and dt and s as (b, h, L') float32 rows. This fuses
+   the reference's kernels 1 (cumsum) and 2 (chunk states).
+2. `_pass_kernel`, one program per (batch, head, block of the flattened state), walking the chunks in order:
+       entering_0 = initial state,  entering_{c+1} = exp(s at chunk c's end) * entering_c + local_c
+   It writes the entering states in the matmul operand dtype and the final state in float32 (the reference's
+   kernel 3). Elementwise: the only sequential work, one small step per chunk.
+3. `_chunk_output_kernel`, one program per (batch, chunk, block of heads, block of rows m), fully parallel:
        y_m = exp(s_m) * (C_m @ state_in^T)                                                  (inter-chunk term)
            + sum_{k-blocks <= m} ((C_m @ B_k^T) * exp(s_m - s_k) * dt_k * [m >= k]) @ x_k      (diagonal term)
            + D * x_m
    C_m @ B_k^T is computed once per program and shared by its heads; causal k-blocks above the diagonal are skipped.
    This fuses the reference's kernels 4 (C B^T) and 5 (chunk scan).
+
+Kernels 1 and 2 replaced one kernel that walked each head's whole sequence in order, carrying the state: on an H200
+at h-tiny dims (batch 1, bf16) that walk took 141 us of the SSD's 361 at 8k tokens, the two kernels 103 us, and the
+SSD 271 us (benchmarks/results/gpu_ssd-2026-11-30-h200-state-designs.json).
 
 Numerics: dt, the cumulative decays, the carried state and every accumulator are float32; matmul operands are the
 input dtype for 16-bit inputs (the decay-weighted x, the decayed C B^T and the entering state are rounded to it, as in
@@ -51,28 +59,30 @@ MIN_CHUNK, MAX_CHUNK = 16, 256
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Tiling and launch parameters of the two prefill kernels (defaults from static analysis; tune on the GPU).
+    """Tiling and launch parameters of the three prefill kernels (defaults from H200 sweeps and static analysis).
 
     Block sizes larger than the dimension they tile are clipped to it.
     """
 
     block_m: int = 64  # chunk rows per output program; also the width of its causal k-blocks
     heads_per_program: int = 1  # heads of one group per output program, sharing its C B^T tiles
-    block_p: int | None = None  # head-dim rows of the state per state program; None: see `_state_block_p`
-    block_n: int = 128  # state columns per state program
-    block_k: int | None = None  # sequence rows the state program folds into the state per step; None: 128 for 16-bit
-    # inputs (1.07x over 64 on an H200 at h-tiny dims, 2026-11-30), 64 for float32 (not measured on a GPU)
+    block_p: int | None = None  # head-dim rows of the state per local-state program; None: see `_state_block_p`
+    block_n: int = 128  # state columns per local-state program
+    block_k: int | None = None  # chunk rows the local-state program folds into the state per step; None: 128 for
+    # 16-bit inputs, 64 for float32
     state_warps: int | None = None  # None: 4 for 16-bit inputs, 8 for float32 (3xTF32 needs the registers)
     state_stages: int = 2
     output_warps: int | None = None  # None: as state_warps
     output_stages: int | None = None  # None: 3 for 16-bit inputs (with block_k=128: 1.14x over 64/2 on the H200), 2 for
     # float32, whose tiles take twice the shared memory
+    pass_block: int = 1024  # float32 state values per program of the pass over the chunks
 
     def __post_init__(self):
         optional = ("block_p", "block_k", "state_warps", "output_warps", "output_stages")  # None: a default
         for name in ("block_m", "block_p", "block_n", "block_k"):  # Triton dot tiles
             if getattr(self, name) is not None or name not in optional:
                 check_int(f"PrefillConfig.{name}", getattr(self, name), minimum=16, power_of_two=True)
+        check_int("PrefillConfig.pass_block", self.pass_block, minimum=16, power_of_two=True)
         for name in ("heads_per_program", "state_warps", "output_warps", "state_stages", "output_stages"):
             if getattr(self, name) is not None or name not in optional:
                 check_int(f"PrefillConfig.{name}", getattr(self, name), minimum=1)
@@ -130,7 +140,8 @@ def ssd_prefill(
         initial_state = pad_axis(pad_axis(initial_state.astype(F32), 2, pp), 3, nn)
     dt_args = dict(bias=dt_bias, softplus=bool(dt_softplus), limit=limit)
 
-    states_in, final, dt_rows, decay_rows = _chunk_states(x, dt, A, B, initial_state, chunk, cfg, **dt_args)
+    local, dt_rows, decay_rows = _local_states(x, dt, A, B, chunk, cfg, **dt_args)
+    states_in, final = _pass_states(local, decay_rows, initial_state, chunk, cfg, operand_dtype(x.dtype))
     y = _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg, out_dtype)
     if pp != p:
         y = y[..., :p]
@@ -167,70 +178,55 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias) -> None:
         raise ValueError(f"ssd_prefill: initial_state must be (b, h, p, n) = {(b, h, p, n)}, got {initial_state.shape}")
 
 
-# ---------------------------------------------------------------------------------------------- kernel 1: states
+# ---------------------------------------------------------------------------------------------- kernels 1 and 2: states
 
 
-def _chunk_states(x, dt, A, B, initial, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
-    """States entering each chunk (b, c, h, p, n), the final state, and dt and the in-chunk decay cumsum (b, h, L').
+def _local_states(x, dt, A, B, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
+    """Each chunk's state from a zero state (b, c, h, p, n), float32, and dt and the in-chunk decay cumsum (b, h, L').
 
-    The entering states are stored in the output kernel's matmul operand dtype (bf16 for 16-bit inputs, which that
-    kernel would round them to anyway); the carried and final states are float32.
-
-    One program per (batch, head, block of the state); optional inputs (initial state, dt bias) are not passed at all
-    when absent.
+    One program per (batch x chunk, head, block of the state); the dt bias is not passed at all when absent.
     """
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     group = h // g
     n_chunks = pl.cdiv(length, chunk)
-    padded_len = n_chunks * chunk
-    bp, bn = _state_block_p(cfg.block_p, b * h, p), min(cfg.block_n, n)
+    bp, bn = _state_block_p(cfg.block_p, b * n_chunks * h, p), min(cfg.block_n, n)
     n_blocks = n // bn
-    block_k = min(_by_dtype(cfg.block_k, x.dtype, 128, 64), chunk)
     kernel = functools.partial(
-        _chunk_state_kernel,
+        _local_state_kernel,
         length=length,
         chunk=chunk,
-        block_k=block_k,
+        block_k=min(_by_dtype(cfg.block_k, x.dtype, 128, 64), chunk),
         op_dtype=operand_dtype(x.dtype),
         has_bias=bias is not None,
-        has_initial=initial is not None,
         softplus=softplus,
         limit=limit,
     )
-    state_block = lambda i, j, k: (i, j, k // n_blocks, k % n_blocks)
+    bc = lambda i: (i // n_chunks, i % n_chunks)  # (batch, chunk) of the first grid axis
     in_specs = [
-        pl.BlockSpec((None, padded_len, None, bp), lambda i, j, k: (i, 0, j, k // n_blocks)),  # x
-        pl.BlockSpec((None, padded_len, None), lambda i, j, k: (i, 0, j)),  # dt
+        pl.BlockSpec((None, chunk, None, bp), lambda i, j, k: (*bc(i), j, k // n_blocks)),  # x
+        pl.BlockSpec((None, chunk, None), lambda i, j, k: (*bc(i), j)),  # dt
         pl.BlockSpec((None,), lambda i, j, k: (j,)),  # A
-        pl.BlockSpec((None, padded_len, None, bn), lambda i, j, k: (i, 0, j // group, k % n_blocks)),  # B
+        pl.BlockSpec((None, chunk, None, bn), lambda i, j, k: (*bc(i), j // group, k % n_blocks)),  # B
     ]
     args = [x, dt, A, B]
     if bias is not None:
         in_specs.append(pl.BlockSpec((None,), lambda i, j, k: (j,)))
         args.append(bias.astype(F32))
-    if initial is not None:
-        in_specs.append(pl.BlockSpec((None, None, bp, bn), state_block))
-        args.append(initial)
-    rows = pl.BlockSpec((None, None, padded_len), lambda i, j, k: (i, j, 0))
+    rows = pl.BlockSpec((None, None, chunk), lambda i, j, k: (bc(i)[0], j, bc(i)[1]))
     return _call.call(
         kernel,
-        name="ssd_chunk_states",
-        grid=(b, h, (p // bp) * n_blocks),
+        name="ssd_chunk_local_states",
+        grid=(b * n_chunks, h, (p // bp) * n_blocks),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec(
-                (None, n_chunks, None, bp, bn), lambda i, j, k: (i, 0, j, k // n_blocks, k % n_blocks)
-            ),  # states entering the chunks
-            pl.BlockSpec((None, None, bp, bn), state_block),  # final state
+            pl.BlockSpec((None, None, None, bp, bn), lambda i, j, k: (*bc(i), j, k // n_blocks, k % n_blocks)),
             rows,  # dt
             rows,  # decay cumsum
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, n_chunks, h, p, n), operand_dtype(x.dtype)),  # the output kernel's operand
-            jax.ShapeDtypeStruct((b, h, p, n), F32),
-            jax.ShapeDtypeStruct((b, h, padded_len), F32),
-            jax.ShapeDtypeStruct((b, h, padded_len), F32),
+            jax.ShapeDtypeStruct((b, n_chunks, h, p, n), F32),
+            *[jax.ShapeDtypeStruct((b, h, n_chunks * chunk), F32)] * 2,
         ],
         num_warps=_warps(cfg.state_warps, x.dtype),
         num_stages=cfg.state_stages,
@@ -249,8 +245,9 @@ def _by_dtype(value: int | None, dtype: jnp.dtype, sixteen_bit: int, float32: in
 
 
 def _state_block_p(block_p: int | None, programs: int, p: int, min_programs: int = 128) -> int:
-    """The state programs' p-block. Unset: p itself (one program per head) unless that leaves fewer than about one
-    program per SM (b * h < 128, e.g. batch 1 at 48 heads), then halved down to 16 to spread the sequential walk."""
+    """The local-state programs' p-block. Unset: p itself (one program per chunk and head) unless that leaves fewer
+    than about one program per SM (short sequences at batch 1), then halved down to 16. On an H200 at h-tiny dims
+    and 8k tokens (1,536 programs), halving anyway (block_p=32) was 1.15x slower."""
     if block_p is not None:
         return min(block_p, p)
     bp = p
@@ -259,47 +256,90 @@ def _state_block_p(block_p: int | None, programs: int, p: int, min_programs: int
     return bp
 
 
-def _chunk_state_kernel(*refs, length, chunk, block_k, op_dtype, has_bias, has_initial, softplus, limit):
+def _local_state_kernel(*refs, length, chunk, block_k, op_dtype, has_bias, softplus, limit):
+    """One chunk's rows folded into a zero state, `block_k` rows per step, and the chunk's dt and s rows."""
     refs = list(refs)
     x_ref, dt_ref, A_ref, B_ref = (refs.pop(0) for _ in range(4))
     bias = refs.pop(0)[...].astype(F32) if has_bias else None
-    init_ref = refs.pop(0) if has_initial else None
-    states_ref, final_ref, dt_out_ref, decay_out_ref = refs
+    local_ref, dt_out_ref, decay_out_ref = refs
     A = A_ref[...].astype(F32)
+    chunk_start = (pl.program_id(0) % pl.cdiv(length, chunk)) * chunk
     writes_rows = pl.program_id(2) == 0  # the state blocks of a head share dt and s; one of them writes them
 
-    def advance(start, state, offset):
-        """The state over rows [start, start + block_k), `offset` the chunk's decay cumsum before them."""
-        rows = pl.ds(start, block_k)
-        valid = start + jnp.arange(block_k) < length
+    def step(j, carry):
+        """The state over rows [j block_k, (j + 1) block_k), `offset` the decay cumsum before them."""
+        state, offset = carry
+        rows = pl.ds(j * block_k, block_k)
+        valid = chunk_start + j * block_k + jnp.arange(block_k) < length
         dt = pltriton.load(dt_ref.at[rows], mask=valid, other=0.0)
         dt = jnp.where(valid, process_dt(dt, bias, softplus, limit), 0.0)
-        local = jnp.cumsum(dt * A)  # cumulative log-decay inside the block, <= 0
+        local = jnp.cumsum(dt * A)  # cumulative log-decay inside the step, <= 0
         total = jnp.sum(dt * A)
-        decay = offset + local  # s: cumulative log-decay since the chunk's start
 
         @pl.when(writes_rows)
         def _():
             dt_out_ref[rows] = dt
-            decay_out_ref[rows] = decay
+            decay_out_ref[rows] = offset + local
 
         x = pltriton.load(x_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(F32)
         Bk = pltriton.load(B_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(op_dtype)
-        weight = jnp.exp(jnp.minimum(total - local, 0.0)) * dt  # decay from each row to the block's end, times dt
+        weight = jnp.exp(jnp.minimum(total - local, 0.0)) * dt  # decay from each row to the step's end, times dt
         contribution = dot((x * weight[:, None]).astype(op_dtype), Bk, trans_a=True)  # (bp, bn)
         return jnp.exp(jnp.minimum(total, 0.0)) * state + contribution, offset + total
 
-    def chunk_step(ci, state):
-        states_ref[ci] = state.astype(states_ref.dtype)
-        blocks = lambda j, carry: advance(ci * chunk + j * block_k, *carry)
-        state, _ = jax.lax.fori_loop(0, chunk // block_k, blocks, (state, jnp.zeros((), F32)))
-        return state
+    zero = jnp.zeros(local_ref.shape, F32), jnp.zeros((), F32)
+    local_ref[...], _ = jax.lax.fori_loop(0, chunk // block_k, step, zero)
+
+
+def _pass_states(local, decay_rows, initial, chunk, cfg: PrefillConfig, op_dtype):
+    """The states entering each chunk (b, c, h, p, n) in `op_dtype`, and the final state (b, h, p, n) in float32,
+    from the chunk-local states: entering_{c+1} = exp(S_c) * entering_c + local_c, S_c the chunk's total log-decay
+    (the last entry of its decay cumsum row: padded rows add nothing). One program per (batch, head, block of
+    `cfg.pass_block` values of the flattened (p, n) state) walks the chunks in order."""
+    b, n_chunks, h, p, n = local.shape
+    size = p * n
+    block = min(cfg.pass_block, size)
+    kernel = functools.partial(_pass_kernel, chunk=chunk, has_initial=initial is not None)
+    flat = pl.BlockSpec((None, None, block), lambda i, j, k: (i, j, k))
+    chunks = pl.BlockSpec((None, n_chunks, None, block), lambda i, j, k: (i, 0, j, k))
+    in_specs = [chunks, pl.BlockSpec((None, None, n_chunks * chunk), lambda i, j, k: (i, j, 0))]
+    args = [local.reshape(b, n_chunks, h, size), decay_rows]
+    if initial is not None:
+        in_specs.append(flat)
+        args.append(initial.reshape(b, h, size))
+    states_in, final = _call.call(
+        kernel,
+        name="ssd_pass_states",
+        grid=(b, h, size // block),
+        in_specs=in_specs,
+        out_specs=[chunks, flat],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, n_chunks, h, size), op_dtype),
+            jax.ShapeDtypeStruct((b, h, size), F32),
+        ],
+        num_warps=4,
+        num_stages=1,
+    )(*args)
+    return states_in.reshape(b, n_chunks, h, p, n), final.reshape(b, h, p, n)
+
+
+def _pass_kernel(*refs, chunk, has_initial):
+    local_ref, decay_ref = refs[:2]
+    init_ref = refs[2] if has_initial else None
+    states_ref, final_ref = refs[-2:]
+
+    def step(c, carry):
+        state, local = carry  # `local`: chunk c's, loaded one step ahead so the load overlaps the step before
+        states_ref[c] = state.astype(states_ref.dtype)
+        following = local_ref[jnp.minimum(c + 1, local_ref.shape[0] - 1)]
+        total = decay_ref[c * chunk + chunk - 1]
+        return jnp.exp(jnp.minimum(total, 0.0)) * state + local, following
 
     initial = init_ref[...].astype(F32) if has_initial else jnp.zeros(final_ref.shape, F32)
-    final_ref[...] = jax.lax.fori_loop(0, states_ref.shape[0], chunk_step, initial)
+    final_ref[...], _ = jax.lax.fori_loop(0, local_ref.shape[0], step, (initial, local_ref[0]))
 
 
-# ---------------------------------------------------------------------------------------------- kernel 2: outputs
+# ---------------------------------------------------------------------------------------------- kernel 3: outputs
 
 
 def _index(j: int) -> Array:

@@ -34,9 +34,9 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
         assert r["speedup_vs_xla"] == pytest.approx(r["xla_us"] / r["us"])
     assert "naive" not in {r["impl"] for r in doc["results"]}  # left out by default (its GPU compile did not end)
     assert "rewritten" in {r["impl"] for r in doc["results"] if r["kind"] == "ssd"}
-    split = [r for r in doc["results"] if r["kind"] == "split"]  # the prefill's two kernels timed apart, per length
+    split = [r for r in doc["results"] if r["kind"] == "split"]  # the prefill's three kernels timed apart, per length
     assert sorted((r["L"], r["impl"]) for r in split) == [
-        (L, k) for L in (40, 100) for k in ("pallas_outputs", "pallas_states")
+        (L, k) for L in (40, 100) for k in ("pallas_local", "pallas_outputs", "pallas_pass")
     ]
     assert all(r["us"] > 0 for r in split)
     png = out.with_suffix(".png")

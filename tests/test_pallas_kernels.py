@@ -87,10 +87,12 @@ def _case(b, L, h, p, g, n, chunk, dtype, **options):
 
 PREFILL_CASES = {
     "ragged_L_batch_groups_initial": _case(
-        2, 100, 4, 32, 2, 32, 32, jnp.float32, block_p=16, block_n=16, heads_per_program=2
+        2, 100, 4, 32, 2, 32, 32, jnp.float32, block_p=16, block_n=16, heads_per_program=2, pass_block=64
     ),
     "L_shorter_than_chunk_odd_dims": _case(1, 10, 2, 8, 1, 12, 16, jnp.float32, initial=False),
-    "bf16_ragged_groups_initial": _case(2, 100, 4, 16, 2, 32, 32, jnp.bfloat16, heads_per_program=2),
+    "bf16_ragged_groups_initial": _case(
+        2, 100, 4, 16, 2, 32, 32, jnp.bfloat16, heads_per_program=2, block_k=16, pass_block=128
+    ),
     "fast_decay_multi_block": _case(
         1, 70, 4, 16, 1, 16, 32, jnp.float32, fast_decay=True, block_m=16, block_k=16, heads_per_program=4
     ),
@@ -145,6 +147,8 @@ def test_configs_reject_tiles_triton_cannot_use():
         PrefillConfig(block_m=48)
     with pytest.raises(ValueError, match="block_k=8"):
         PrefillConfig(block_k=8)
+    with pytest.raises(ValueError, match="pass_block=100: must be a power of two >= 16"):
+        PrefillConfig(pass_block=100)
     with pytest.raises(ValueError, match="block_p=12"):
         DecodeConfig(block_p=12)
 
@@ -369,7 +373,7 @@ def test_kernels_lower_for_cuda(dims, dtype):
         prefill = prefill.lower(lowering_platforms=("cuda",)).as_text()
         decode = jax.jit(ssd_decode, donate_argnums=0).trace(*_decode_structs(b, h, p, g, n, dtype))
         decode = decode.lower(lowering_platforms=("cuda",)).as_text()
-    assert _triton_calls(prefill) == 2, "prefill: the state and output kernels, both Triton custom calls"
+    assert _triton_calls(prefill) == 3, "prefill: the local-state, pass and output kernels, all Triton custom calls"
     assert _triton_calls(decode) == 1
     assert "output_operand_aliases" in decode, "decode must update the state in place"
 
