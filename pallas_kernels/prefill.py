@@ -73,8 +73,8 @@ class PrefillConfig:
     state_warps: int | None = None  # None: 4 for 16-bit inputs, 8 for float32 (3xTF32 needs the registers)
     state_stages: int = 2
     output_warps: int | None = None  # None: as state_warps
-    output_stages: int | None = None  # None: 3 for 16-bit inputs (with block_k=128: 1.14x over 64/2 on the H200), 2 for
-    # float32, whose tiles take twice the shared memory
+    output_stages: int | None = None  # None: 3 for 16-bit inputs (1.07x over 2 on an H200, 2026-11-30), 2 for float32,
+    # whose tiles take twice the shared memory
     pass_block: int = 1024  # float32 state values per program of the pass over the chunks
 
     def __post_init__(self):
@@ -331,6 +331,7 @@ def _pass_kernel(*refs, chunk, has_initial):
     def step(c, carry):
         state, local = carry  # `local`: chunk c's, loaded one step ahead so the load overlaps the step before
         states_ref[c] = state.astype(states_ref.dtype)
+        # Clamped: on the GPU an index past the block reads past it (interpret mode would clamp it silently).
         following = local_ref[jnp.minimum(c + 1, local_ref.shape[0] - 1)]
         total = decay_ref[c * chunk + chunk - 1]
         return jnp.exp(jnp.minimum(total, 0.0)) * state + local, following

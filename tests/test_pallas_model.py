@@ -1,6 +1,6 @@
 """The model with ssd_impl="pallas" (kernels interpreted on CPU) equals ssd_impl="xla" on a tiny config.
 
-Covers the prefill kernel (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
+Covers the prefill kernels (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
 prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache). Also: the
 Generator's prefill and decode steps lower for CUDA with no CPU kernel left in them.
 """
