@@ -18,7 +18,8 @@
 Every timing prints time, achieved TFLOP/s and GB/s, and the fraction of the ceilings (H200 by default: 4.8 TB/s,
 990 dense bf16 TFLOP/s), where FLOPs are the useful matmul work (causal half of the diagonal blocks) and bytes are the
 minimum HBM traffic (inputs read once, outputs written once). The floor is max(bytes / bandwidth, FLOPs / peak).
-`--smoke` runs everything at tiny sizes on CPU, the kernels interpreted, to check the script itself.
+`--smoke` runs everything at tiny sizes on CPU, the kernels interpreted, to check the script itself. `--once` only
+calls the Pallas prefill twice, a workload for a profiler (`ncu`).
 """
 
 from __future__ import annotations
@@ -428,6 +429,17 @@ def bench_layer(
     return results
 
 
+def call_once(d: Dims, dtype) -> None:
+    """Compile the Pallas prefill (default tiling, float32 y) and call it twice: a workload for a profiler."""
+    import pallas_kernels
+
+    fn = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk))
+    args = ssd_inputs(d, dtype)
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    print(f"once: pallas prefill at L={d.L} b={d.b} {jnp.dtype(dtype).name}, called twice", flush=True)
+
+
 def time_decode(step: Callable, state_shape: tuple, args: tuple, min_seconds: float) -> Timing:
     """Time `state = step(state, *args)[1]` with the state donated, as a decode loop runs it: batches of 20 chained
     steps, waiting once per batch (see `time_fn`)."""
@@ -528,6 +540,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="write the JSON results here (also printed at the end), and the PNG chart beside it")
     p.add_argument("--smoke", action="store_true", help="tiny dims on CPU with interpreted kernels (script check)")
     p.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON (beside it); no GPU")
+    p.add_argument(
+        "--once",
+        action="store_true",
+        help="only compile the Pallas prefill at the first --lengths and call it twice, for a profiler:\n"
+        "ncu --kernel-name regex:ssd --launch-count 3 ... python benchmarks/gpu_ssd.py --once --lengths 8192\n"
+        "(with XLA_PYTHON_CLIENT_PREALLOCATE=false, or ncu saves and restores the preallocated memory per replay)",
+    )
     args = p.parse_args(argv)
     if args.smoke and "lengths" in vars(args):
         p.error("--lengths does not apply with --smoke (it times L = 40 and 100)")
@@ -605,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dims = SMOKE if args.smoke else H_TINY
     lengths = SMOKE_LENGTHS if args.smoke else args.lengths
+    if args.once:
+        with _interpret() if args.smoke else contextlib.nullcontext():
+            call_once(Dims(b=args.batch, L=lengths[0], **dims), dtype)
+        return 0
     skip = args.skip
     started = time.perf_counter()
     _DEADLINE[0] = started + args.budget_seconds

@@ -49,6 +49,13 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path):
     assert proc.returncode == 2 and "bad.json: cannot draw it (KeyError" in proc.stderr, proc.stderr
 
 
+def test_once_calls_the_prefill_and_measures_nothing(tmp_path):
+    proc = run("--smoke", "--once", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "once: pallas prefill at L=40" in proc.stdout
+    assert "ssd:" not in proc.stdout and "check:" not in proc.stdout
+
+
 def test_unwritable_out_is_refused_before_any_work(tmp_path):
     (tmp_path / "a_file").write_text("")
     for out, message in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "x.json", "cannot create")):
