@@ -11,12 +11,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_ssd.py")
+GENERATE_SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_generate.py")
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def run(*args: str, cwd: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, SCRIPT, *args]
+def run(*args: str, cwd: str, script: str = SCRIPT) -> subprocess.CompletedProcess:
+    command = [sys.executable, script, *args]
     return subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=900)
 
 
@@ -62,3 +63,19 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path):
         proc = run("--smoke", "--out", str(out), cwd=str(tmp_path))
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert "ssd:" not in proc.stdout  # nothing was measured
+
+
+def test_generation_check_compares_pallas_with_xla(tmp_path):
+    # gpu_generate.py's CPU smoke run: the Generator with the Pallas SSD (interpreted) against XLA's, both dtypes.
+    out = tmp_path / "gen.json"
+    proc = run("--smoke", "--out", str(out), cwd=str(tmp_path), script=GENERATE_SCRIPT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["runs"]["float32"]["agreeing_tokens"] == [8, 8]
+    for dtype in ("float32", "bfloat16"):
+        runs = doc["runs"][dtype]
+        assert {len(ids) for impl in ("xla", "pallas") for ids in runs[impl]["token_ids"]} == {8}
+        assert runs["pallas"]["decode_tokens_per_s"] > 0
+    assert len(set(doc["runs"]["float32"]["xla"]["token_ids"][1])) > 1  # large weights: a varied continuation
+    proc = run(cwd=str(tmp_path), script=GENERATE_SCRIPT)  # no GPU, no --smoke
+    assert proc.returncode == 2 and "no GPU" in proc.stderr
