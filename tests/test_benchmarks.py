@@ -28,8 +28,9 @@ FLAGS = {
     ),
     "gpu_ssd.py": (
         "--lengths --batch --dtype --naive-max-len --skip --budget-seconds --no-layer --no-split --sweep --sweep-len "
-        "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot"
+        "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot --once"
     ),
+    "gpu_generate.py": "--max-new-tokens --repeats --out --smoke",
 }
 
 # (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
@@ -53,6 +54,9 @@ BAD = [
     ("rewrite_ssd.py", ["--batch", "x"], "argument --batch: expected a positive integer, got 'x'"),
     ("rewrite_ssd.py", ["--json", "{missing}"], "the directory does not exist"),
     ("rewrite_ssd.py", ["--json", "{dir}"], "is a directory"),
+    ("gpu_generate.py", ["--smoke", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
+    ("gpu_generate.py", ["--smoke", "--repeats", "x"], "argument --repeats: expected a positive integer, got 'x'"),
+    ("gpu_generate.py", ["--smoke", "--out", "{dir}"], "is a directory"),
     ("gpu_ssd.py", ["--smoke", "--decode-batches", "x"], "argument --decode-batches: expected comma-separated"),
     ("gpu_ssd.py", ["--smoke", "--lengths", "64"], "--lengths does not apply with --smoke"),
     ("gpu_ssd.py", ["--smoke", "--lengths", "2048,8192,32768"], "--lengths does not apply with --smoke"),
