@@ -49,10 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_once(model_dir: str, dtype: str, impl: str, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+    from granite_jax.compare import greedy
     from granite_jax.generate import Generator
 
-    generator = Generator(model_dir, dtype=dtype, ssd_impl=impl)
-    results = generator.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=())
+    results = Generator(model_dir, dtype=dtype, ssd_impl=impl).generate(prompts, greedy(max_new_tokens))
     timing = results[0].timing
     return dict(
         token_ids=[list(r.token_ids) for r in results],
@@ -62,16 +62,12 @@ def run_once(model_dir: str, dtype: str, impl: str, prompts: list[str], max_new_
     )
 
 
-def agreement(a: list[int], b: list[int]) -> int:
-    """Leading tokens on which two continuations agree."""
-    return next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
     import pallas_kernels
+    from granite_jax.compare import leading_agreement
     from granite_jax.testing import make_checkpoint
 
     device = jax.devices()[0]
@@ -87,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         make_checkpoint(model_dir, **(SMOKE_CHECKPOINT if args.smoke else CHECKPOINT))
         for dtype in ("float32", "bfloat16"):
             runs = {impl: run_once(model_dir, dtype, impl, prompts, args.max_new_tokens) for impl in IMPLS}
-            agree = [agreement(a, b) for a, b in zip(runs["xla"]["token_ids"], runs["pallas"]["token_ids"])]
+            agree = [leading_agreement(a, b) for a, b in zip(runs["xla"]["token_ids"], runs["pallas"]["token_ids"])]
             summary["runs"][dtype] = runs | dict(agreeing_tokens=agree)
             for i, n in enumerate(agree):
                 print(f"{dtype} prompt {i}: pallas equals xla for the first {n}/{args.max_new_tokens} tokens")

@@ -181,13 +181,17 @@ def greedy_agreement(pair: Pair, prompts: Sequence[Sequence[int]], new_tokens: i
     rows = []
     for ids, mine in zip(prompts, ours):
         theirs = hf_generate(pair.hf, np.asarray([ids]), new_tokens)[0][len(ids) :].tolist()
-        agree = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-        rows.append(dict(prompt_tokens=len(ids), agree=agree, jax=list(mine), hf=theirs))
+        rows.append(dict(prompt_tokens=len(ids), agree=leading_agreement(mine, theirs), jax=list(mine), hf=theirs))
     total = sum(len(r["jax"]) for r in rows)
     agreed = sum(r["agree"] for r in rows)
     return dict(
         new_tokens=new_tokens, prompts=len(rows), agreed=agreed, total=total, fraction=agreed / total, rows=rows
     )
+
+
+def leading_agreement(a: Sequence[int], b: Sequence[int]) -> int:
+    """Tokens two continuations agree on before their first difference."""
+    return next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
 
 
 def agreement_prompts(pair: Pair, n: int, length: int, seed: int) -> list[list[int]]:

@@ -104,3 +104,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert compare.main([*args, "--no-speed", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_leading_agreement_counts_tokens_before_the_first_difference():
+    assert compare.leading_agreement([1, 2, 3], [1, 2, 4]) == 2
+    assert compare.leading_agreement([1, 2], [1, 2, 3]) == 2  # a shorter row agreeing throughout
+    assert compare.leading_agreement([5], [6]) == 0 and compare.leading_agreement([], [1]) == 0
