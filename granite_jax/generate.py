@@ -40,7 +40,7 @@ from granite_jax import cli, cpu_kernels
 from granite_jax.config import ATTENTION, SSD_IMPLS, ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, with_ssd_impl
 from granite_jax.model import weight_dtype as weight_dtype_of
-from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, load_model, model_dtypes
+from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, checked_dtype, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, check_utf8, is_int, sample_tokens
 
 __all__ = ["GenerationError", "Generator", "Result", "SamplingConfig", "Timing", "generate", "main"]
@@ -365,14 +365,9 @@ class Generator:
         model: Granite | None = None,
         tokenizer: Any = None,
     ):
-        if weight_dtype not in (AUTO, None, *DTYPES):
-            raise GenerationError(
-                f"weight_dtype must be auto, None or one of {', '.join(DTYPES)}, got {weight_dtype!r}"
-            )
-        try:
-            dtypes = model_dtypes(dtype or "float32", None if weight_dtype == AUTO else weight_dtype)
-        except ValueError as e:
-            raise GenerationError(str(e)) from None
+        given_dtype = None if dtype is None else _dtype_name("dtype", dtype)  # names from here on
+        dtype = given_dtype or "float32"
+        weight_dtype = weight_dtype if weight_dtype in (AUTO, None) else _dtype_name("weight_dtype", weight_dtype)
         if ssd_impl is not None and ssd_impl not in SSD_IMPLS:
             raise GenerationError(f"ssd_impl must be one of {', '.join(SSD_IMPLS)}, got {ssd_impl!r}")
         _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights)
@@ -380,11 +375,10 @@ class Generator:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
                 raise GenerationError(NO_MODEL_MESSAGE)
-            if weight_dtype == AUTO:
-                dtypes = model_dtypes(dtype or "float32", auto_weight_dtype(model_dir, dtype or "float32"))
-            model = load_model(model_dir, **dtypes, ssd_impl=ssd_impl or "xla", progress=progress)
+            weights = auto_weight_dtype(model_dir, dtype) if weight_dtype == AUTO else weight_dtype
+            model = load_model(model_dir, **model_dtypes(dtype, weights), ssd_impl=ssd_impl or "xla", progress=progress)
         else:
-            _check_given_model(model, dtype, weight_dtype)
+            _check_given_model(model, given_dtype, weight_dtype)
             if ssd_impl is not None and ssd_impl != model.cfg.ssd_impl:
                 model = with_ssd_impl(model, ssd_impl)
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
@@ -492,21 +486,21 @@ class Generator:
             cache_len = self.max_cache_len
         else:
             cache_len = cache_bucket(need, self.min_cache_len)
-        self._check_cache_fits(len(lengths), cache_len)
         segment = padded if padded <= self.prefill_chunk else self.prefill_chunk
-        return BatchLayout(tuple(lengths), padded, segment, cache_len, max_new_tokens)
+        layout = BatchLayout(tuple(lengths), padded, segment, cache_len, max_new_tokens)
+        self._check_cache_fits(layout)
+        return layout
 
-    def _check_cache_fits(self, batch: int, cache_len: int) -> None:
-        """A KV cache larger than the memory free on the device is refused before it is allocated."""
-        cfg = self.cfg
-        layers = cfg.layer_types.count(ATTENTION)
-        itemsize = jnp.dtype(self.model.dtype).itemsize
-        need = 2 * layers * batch * cfg.num_key_value_heads * cache_len * cfg.head_dim * itemsize
+    def _check_cache_fits(self, layout: BatchLayout) -> None:
+        """A cache (KV slots, conv and SSM states) larger than the memory free on the device is refused before it
+        is allocated."""
+        need = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self._abstract_cache(layout)))
         free = free_memory()
         if free is not None and need > free:
             raise GenerationError(
-                f"the KV cache for {batch} sequence(s) of up to {cache_len} tokens needs {need / 1e9:.1f} GB, more "
-                f"than the {free / 1e9:.1f} GB free: lower max_new_tokens (or max_cache_len), or shorten the prompts"
+                f"the cache for {layout.batch_size} sequence(s) of up to {layout.cache_len} tokens needs "
+                f"{need / 1e9:.1f} GB, more than the {free / 1e9:.1f} GB free: lower max_new_tokens (or "
+                "max_cache_len), or shorten the prompts"
             )
 
     def prefill(self, prompts: Prompts, sampling: SamplingConfig | None = None) -> tuple[jax.Array, jax.Array, Cache]:
@@ -523,7 +517,7 @@ class Generator:
         token i - 1: the same positions a full forward over prompt + continuation scores.
         """
         _, prompt_ids = self.encode(prompts)
-        rows = [self._check_ids(i, ids) for i, ids in enumerate(continuation)]
+        rows = [self._check_continuation(i, ids) for i, ids in enumerate(continuation)]
         if len(rows) != len(prompt_ids) or len({len(r) for r in rows}) != 1:
             raise GenerationError(
                 f"continuation: expected {len(prompt_ids)} row(s) of one length, got lengths {[len(r) for r in rows]}"
@@ -581,6 +575,13 @@ class Generator:
         if not ids:
             raise GenerationError(f"prompt {index + 1} is empty")
         self._check_vocab(f"prompt {index + 1}: token id", ids)
+        return ids
+
+    def _check_continuation(self, index: int, ids) -> list[int]:
+        if isinstance(ids, str) or not isinstance(ids, Sequence | np.ndarray) or not all(is_int(i) for i in ids):
+            raise GenerationError(f"continuation row {index + 1}: expected a list of integer token ids, got {ids!r}")
+        ids = [int(i) for i in ids]
+        self._check_vocab(f"continuation row {index + 1}: token id", ids)
         return ids
 
     def _check_vocab(self, what: str, ids: Sequence[int], hint: str = "") -> None:
@@ -714,8 +715,17 @@ def has_attention(cfg: ModelConfig) -> bool:
     return ATTENTION in cfg.layer_types
 
 
+def _dtype_name(name: str, value: Any) -> str:
+    """A dtype argument (a name, or a jnp/np dtype) as its name; GenerationError naming `name` otherwise."""
+    try:
+        return jnp.dtype(checked_dtype(name, value)).name
+    except ValueError:
+        choices = ("auto, None or " if name == "weight_dtype" else "") + "one of " + ", ".join(DTYPES)
+        raise GenerationError(f"{name} must be {choices}, got {value!r}") from None
+
+
 def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights) -> None:
-    is_size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    is_size = lambda v: is_int(v) and v >= 1
     for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
         if not is_size(value):
             raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")

@@ -363,6 +363,13 @@ def test_generator_options_that_contradict_the_model_are_rejected(generator, opt
         Generator(model=generator.model, tokenizer=generator.tokenizer, **options)
 
 
+def test_generator_options_take_dtypes_and_numpy_ints_as_well_as_names(generator):
+    same = dict(dtype=jnp.float32, weight_dtype=np.dtype("float32"), prefill_chunk=np.int64(256))
+    assert Generator(model=generator.model, tokenizer=generator.tokenizer, **same).prefill_chunk == 256
+    with pytest.raises(GenerationError, match="dtype='bfloat16', but the model given computes in float32"):
+        Generator(model=generator.model, dtype=jnp.bfloat16)
+
+
 def test_a_given_model_runs_the_ssd_impl_asked_for(generator, alone):
     naive = Generator(model=generator.model, tokenizer=generator.tokenizer, ssd_impl="naive")
     assert naive.cfg.ssd_impl == "naive" and generator.cfg.ssd_impl == "xla"
@@ -382,8 +389,11 @@ def test_request_arguments_of_the_wrong_kind_are_rejected(generator):
         no_tokenizer.generate("hi")
     with pytest.raises(GenerationError, match=re.escape("continuation: expected 1 row(s) of one length")):
         generator.teacher_forced_logits([[5, 6]], [[1, 2], [3, 4]])
-    with pytest.raises(GenerationError, match="token id 1000000 is outside"):
+    with pytest.raises(GenerationError, match="continuation row 1: token id 1000000 is outside"):
         generator.teacher_forced_logits([[5, 6]], [[1, 10**6]])
+    with pytest.raises(GenerationError, match="continuation row 1: expected a list of integer token ids"):
+        generator.teacher_forced_logits([[5, 6]], ["ab"])
+    assert generator.teacher_forced_logits([[5, 6]], [[]]).shape == (1, 1, generator.cfg.vocab_size)  # prefill's only
 
 
 def test_token_ids_from_a_tokenizer_that_does_not_fit_the_model_are_rejected(generator):
@@ -397,9 +407,16 @@ def test_token_ids_from_a_tokenizer_that_does_not_fit_the_model_are_rejected(gen
         mismatched.generate("hi <|beyond|>", max_new_tokens=2)
 
 
-def test_a_kv_cache_larger_than_free_memory_is_refused_before_allocating(generator):
-    with pytest.raises(GenerationError, match=r"the KV cache for 1 sequence\(s\) of up to \d+ tokens needs"):
+def test_a_cache_larger_than_free_memory_is_refused_before_allocating(generator, monkeypatch):
+    with pytest.raises(GenerationError, match=r"the cache for 1 sequence\(s\) of up to \d+ tokens needs"):
         generator.generate("hi", max_new_tokens=10**12)
+    # The Mamba layers' conv and SSM states count too: memory for exactly the KV slots (counted by hand) is too little.
+    cfg = generator.cfg
+    cache_len = generator.layout([5], 4).cache_len
+    kv = 2 * cfg.layer_types.count("attention") * cfg.num_key_value_heads * cache_len * cfg.head_dim * 4  # float32
+    monkeypatch.setattr(generate_module, "free_memory", lambda: kv)
+    with pytest.raises(GenerationError, match="the cache for 1 sequence"):
+        generator.generate([[5, 6, 7, 8, 9]], max_new_tokens=4)
 
 
 def test_rope_model_rejects_prompts_past_max_positions(hf_checkpoint):
