@@ -45,7 +45,7 @@ from granite_jax.experiments.common import (
     format_value,
     matplotlib_pyplot,
     model_summary,
-    prepare_output_dir,
+    output_dir,
     random_tokens,
     set_torch_threads,
     torch_matmul_precision,
@@ -526,23 +526,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
     log = None if args.quiet else (lambda m: print(f"[{time.perf_counter() - start:6.1f}s] {m}", file=sys.stderr))
-    out, created = None, False
     try:
         if args.model and args.num_layers is not None:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
         set_torch_threads(args.torch_threads, "--torch-threads")
         out = args.out or _default_out(args)
-        created = not os.path.exists(out)
-        prepare_output_dir(out, "--out")
-        spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
-        _log(log, f"loading {spec.describe()} into granite-jax and transformers")
-        with torch_matmul_precision(args.dtype):
-            pair = load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype, ssd_impl=args.ssd_impl)
-            results = run_compare(pair, options, log)
+        with output_dir(out, "--out"):  # a failed run leaves no empty directory behind
+            spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
+            _log(log, f"loading {spec.describe()} into granite-jax and transformers")
+            with torch_matmul_precision(args.dtype):
+                pair = load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype, ssd_impl=args.ssd_impl)
+                results = run_compare(pair, options, log)
     except (ExperimentError, CheckpointError, ConfigError, GenerationError) as e:
-        if created and os.path.isdir(out) and not os.listdir(out):  # a failed run leaves no empty directory behind
-            os.rmdir(out)
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)
         return 2
     results["command"] = "python -m granite_jax.compare " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -33,9 +33,10 @@ from granite_jax.experiments.common import (
     check_measure,
     check_model,
     check_workload,
+    default_config,
     environment,
     markdown_table,
-    prepare_output_dir,
+    output_dir,
     torch_matmul_precision,
     write_json,
 )
@@ -63,7 +64,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True,
 )
 PROG = "granite_jax.experiment"
-REQUIRED = ("experiment", "model", "workload", "measure", "output_dir")  # the fields of `default_config`
+REQUIRED = tuple(default_config("").keys())  # fields a config file must have to be an experiment
 
 
 def run(config) -> str:
@@ -74,17 +75,11 @@ def run(config) -> str:
     check_workload(config.workload)
     check_measure(config.measure)
     out = config.output_dir or os.path.join("runs", f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
-    created = not os.path.exists(out)
-    prepare_output_dir(out, "output_dir")
-    module = importlib.import_module(EXPERIMENTS[config.experiment])
-    start = time.perf_counter()
-    try:
+    with output_dir(out, "output_dir"):  # a failed run leaves no empty directory behind
+        module = importlib.import_module(EXPERIMENTS[config.experiment])
+        start = time.perf_counter()
         with torch_matmul_precision(config.workload.dtype):
             result: Result = module.run(config)
-    except BaseException:
-        if created and not os.listdir(out):  # a failed run leaves no empty directory behind
-            os.rmdir(out)
-        raise
     elapsed = time.perf_counter() - start
     plots = [name for name, draw in result.plots.items() if draw(os.path.join(out, name)) is not False]
     write_json(os.path.join(out, "results.json"), _record(config, result, plots, elapsed))

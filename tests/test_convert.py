@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from granite_jax import checkpoint, convert, cpu_kernels, params
+from granite_jax import checkpoint, convert, params
 from granite_jax.params import CheckpointError, load_model
 
 
@@ -57,7 +57,6 @@ def test_convert_to_bfloat16_storage(tiny_checkpoint, tmp_path):
     out = tmp_path / "bf16"
     convert.convert(tiny_checkpoint, out, dtype="bfloat16")
     assert checkpoint.read_marker(out)["param_dtype"] == "bfloat16" == params.stored_dtype(out)
-    assert params.auto_weight_dtype(out, "float32") == ("bfloat16" if cpu_kernels.available() else "float32")
     assert {x.dtype for x in _leaves(load_model(out, dtype=jnp.float32))} == {jnp.dtype(jnp.float32)}
 
 

@@ -290,3 +290,19 @@ def test_unknown_field_is_one_line_exit_2():
         "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
         "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, weight_dtype)"
     ]
+
+
+def test_output_dir_removes_only_an_empty_directory_it_made_when_the_work_fails(tmp_path):
+    from granite_jax.experiments.common import output_dir
+
+    new = tmp_path / "new"
+    with pytest.raises(KeyboardInterrupt), output_dir(str(new), "--out"):  # Ctrl-C too
+        assert new.is_dir()
+        raise KeyboardInterrupt
+    assert not new.exists()
+    with pytest.raises(RuntimeError), output_dir(str(tmp_path), "--out"):  # there before: kept
+        raise RuntimeError
+    with pytest.raises(RuntimeError), output_dir(str(new), "--out"):  # written to: kept
+        (new / "partial.json").write_text("{}")
+        raise RuntimeError
+    assert (new / "partial.json").exists()

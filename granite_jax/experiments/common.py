@@ -10,7 +10,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -363,7 +363,7 @@ def check_measure(measure) -> None:
 
 
 def check_model(model) -> None:
-    if not (_at_least(model.seed, 0) and isinstance(model.seed, int)):
+    if not _at_least(model.seed, 0):
         raise ExperimentError(f"model.seed must be an integer >= 0, got {model.seed!r}")
     if model.num_layers is not None and not _at_least(model.num_layers, 1):
         raise ExperimentError(f"model.num_layers must be an integer >= 1, got {model.num_layers!r}")
@@ -388,14 +388,23 @@ def set_torch_threads(n: int | None, flag: str) -> None:
     torch.set_num_threads(n)
 
 
-def prepare_output_dir(out: str, flag: str) -> None:
-    """Create the output directory before any work, so a bad path fails at once and not after a long run."""
+@contextlib.contextmanager
+def output_dir(out: str, flag: str) -> Iterator[str]:
+    """Create the output directory before any work, so a bad path fails at once and not after a long run; if the
+    work inside fails (an exception, Ctrl-C included) and leaves the directory this made empty, remove it."""
+    created = not os.path.exists(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ExperimentError(f"{flag}: cannot create {out} ({e.strerror})") from None
     if not os.access(out, os.W_OK):
         raise ExperimentError(f"{flag}: {out} is not writable")
+    try:
+        yield out
+    except BaseException:
+        if created and os.path.isdir(out) and not os.listdir(out):
+            os.rmdir(out)
+        raise
 
 
 def quick(arg: str | None) -> bool:
