@@ -159,7 +159,7 @@ def view_source_dims(eqn: JaxprEqn, dims: Dims) -> Dims | None:
         return _drop_units(eqn, dims, eqn.params["axes"])
     if name == "convert_element_type" and _is_widening(eqn.invars[0].aval.dtype, eqn.params["new_dtype"]):
         return dims
-    if name in ("copy", "copy_p"):
+    if name == "copy":
         return dims
     return None
 
@@ -186,19 +186,8 @@ class Matcher:
         return self.jaxpr.eqns[self.producer[atom]]
 
     def is_root(self, eqn: JaxprEqn) -> bool:
-        if eqn.primitive.name != "reduce_sum" or isinstance(eqn.invars[0], Literal):
-            return False
-        shape = eqn.invars[0].aval.shape
-        return any(shape[a] != 1 for a in eqn.params["axes"]) or self._reaches_mul(eqn.invars[0])
-
-    def _reaches_mul(self, atom) -> bool:
-        eqn = self.eqn_of(atom)
-        while eqn is not None and eqn.primitive.name != "mul":
-            dims = (None,) * eqn.outvars[0].aval.ndim
-            if eqn.primitive.name not in ("neg", "div") and view_source_dims(eqn, dims) is None:
-                return False
-            eqn = self.eqn_of(eqn.invars[0])
-        return eqn is not None
+        """A reduce_sum of a variable: a candidate site (`match` decides whether a product feeds it)."""
+        return eqn.primitive.name == "reduce_sum" and not isinstance(eqn.invars[0], Literal)
 
     def match(self, index: int) -> Match | None:
         """The site rooted at reduce_sum equation `index`, or None when no `mul` feeds it."""

@@ -397,6 +397,7 @@ def test_zero_size_dims():
 
     out = rewriter.rewrite(hidden_broadcast_over_nothing)(x, w)  # default options
     np.testing.assert_array_equal(np.asarray(out), np.zeros((16, 16), np.float32))
+    assert "zero-size" in skip_reason(hidden_broadcast_over_nothing, x, w, **GATE_OFF)  # not just below min_flops
     assert "zero-size" in skip_reason(matmul_as_sum, jnp.zeros((4, 0)), jnp.zeros((0, 3)), **GATE_OFF)
 
 
