@@ -51,7 +51,7 @@ from granite_jax.experiments.common import (
     torch_matmul_precision,
     write_json,
 )
-from granite_jax.model import Granite
+from granite_jax.model import Granite, with_dtype
 from granite_jax.params import CheckpointError
 from granite_jax.sampling import GenerationError
 
@@ -86,13 +86,18 @@ class Pair:
 
 
 def load_pair(
-    spec: ModelSpec, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla"
+    spec: ModelSpec,
+    *,
+    dtype: str = "float32",
+    weight_dtype: str | None = None,
+    ssd_impl: str = "xla",
+    torch_device: str = "cpu",
 ) -> Pair:
-    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory), both
-    computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
+    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory) on
+    `torch_device`, both computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
     quiet_transformers()
     model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
-    hf = hf_model(model, spec.checkpoint, dtype)
+    hf = hf_model(model, spec.checkpoint, dtype).to(torch_device)
     from granite_jax.generate import load_tokenizer
 
     return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint) if spec.checkpoint else None)
@@ -132,21 +137,38 @@ def quiet_transformers() -> None:
 def layer_errors(pair: Pair, tokens: np.ndarray, *, rewritten: bool = False) -> list[dict[str, Any]]:
     """Per-layer max absolute and relative error of granite-jax's hidden states (and logits) against transformers'.
 
-    `rewritten`: run granite-jax's forward through `rewriter.rewrite`."""
+    Below float32 the two differ by their rounding as much as by anything else, so each row also has each side's
+    relative error against granite-jax in float32 on the same weights (`jax_rel_err_vs_f32`, `hf_rel_err_vs_f32`):
+    whether either is further from the float32 result than the other. `rewritten`: run granite-jax's forward through
+    `rewriter.rewrite`."""
+    ours = jax_layer_outputs(pair.jax, tokens, rewritten)
+    theirs = hf_layer_outputs(pair.hf, tokens)
+    kinds = [*pair.jax.cfg.layer_types[:-1], pair.jax.cfg.layer_types[-1] + " + final norm", ""]
+    labels = [*map(str, range(len(kinds) - 1)), "logits"]
+    rows = [dict(layer=i, kind=k, **_errors(a, b)) for i, k, a, b in zip(labels, kinds, ours, theirs)]
+    if jnp.dtype(pair.jax.dtype) != jnp.float32:
+        with jax.default_matmul_precision("highest"):
+            reference = jax_layer_outputs(with_dtype(pair.jax, jnp.float32), tokens, rewritten)
+        for row, a, b, r in zip(rows, ours, theirs, reference):
+            row |= dict(jax_rel_err_vs_f32=_relative(a, r), hf_rel_err_vs_f32=_relative(b, r))
+    return rows
+
+
+def jax_layer_outputs(model: Granite, tokens: np.ndarray, rewritten: bool = False) -> list[np.ndarray]:
+    """granite-jax's output of every layer, the last after the final norm as transformers reports it, then the
+    logits; in float64."""
+    forward = jax.jit(maybe_rewritten(lambda m, t: m.forward(t, return_hidden=True), rewritten))
+    logits, _, hidden = forward(model, jnp.asarray(tokens))
+    return [np.asarray(x, np.float64) for x in (*hidden[:-1], model.norm(hidden[-1]), logits)]
+
+
+def hf_layer_outputs(hf, tokens: np.ndarray) -> list[np.ndarray]:
+    """transformers' `output_hidden_states` after the embedding, then the logits; in float64."""
     import torch
 
-    forward = jax.jit(maybe_rewritten(lambda m, t: m.forward(t, return_hidden=True), rewritten))
-    logits, _, hidden = forward(pair.jax, jnp.asarray(tokens))
-    ours = [*hidden[:-1], pair.jax.norm(hidden[-1])]  # transformers' last hidden state is after the final norm
     with torch.inference_mode():
-        out = pair.hf(torch.from_numpy(np.asarray(tokens, np.int64)), output_hidden_states=True)
-    theirs = list(out.hidden_states[1:])
-    kinds = pair.jax.cfg.layer_types
-    rows = [
-        dict(layer=str(i), kind=kinds[i] + (" + final norm" if i == len(kinds) - 1 else ""), **_errors(a, b))
-        for i, (a, b) in enumerate(zip(ours, theirs))
-    ]
-    return rows + [dict(layer="logits", kind="", **_errors(logits, out.logits))]
+        out = hf(torch_ids(hf, tokens), output_hidden_states=True)
+    return [x.double().cpu().numpy() for x in (*out.hidden_states[1:], out.logits)]
 
 
 def maybe_rewritten(fn, rewritten: bool):
@@ -158,15 +180,17 @@ def maybe_rewritten(fn, rewritten: bool):
     return rewriter.rewrite(fn)
 
 
-def _errors(ours, theirs) -> dict[str, float]:
-    a = np.asarray(ours, np.float64)
-    b = theirs.detach().double().numpy()
-    diff = a - b
+def _errors(ours: np.ndarray, theirs: np.ndarray) -> dict[str, float]:
     return dict(
-        max_abs_err=float(np.abs(diff).max()),
-        rel_err=float(np.linalg.norm(diff) / max(np.linalg.norm(b), 1e-30)),
-        max_abs=float(np.abs(b).max()),
+        max_abs_err=float(np.abs(ours - theirs).max()),
+        rel_err=_relative(ours, theirs),
+        max_abs=float(np.abs(theirs).max()),
     )
+
+
+def _relative(a: np.ndarray, reference: np.ndarray) -> float:
+    """||a - reference|| / ||reference|| over the whole tensor."""
+    return float(np.linalg.norm(a - reference) / max(np.linalg.norm(reference), 1e-30))
 
 
 # ---------------------------------------------------------------------------------------------- greedy agreement
@@ -218,13 +242,20 @@ def hf_generate(hf, tokens: np.ndarray, new_tokens: int, streamer=None) -> np.nd
     import torch
     from transformers import GenerationConfig
 
-    ids = torch.from_numpy(np.asarray(tokens, np.int64))
+    ids = torch_ids(hf, tokens)
     config = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=None
     )
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer)
-    return out.numpy()
+    return out.cpu().numpy()
+
+
+def torch_ids(hf, tokens: np.ndarray):
+    """Token ids as an int64 tensor on the device of transformers' model."""
+    import torch
+
+    return torch.from_numpy(np.asarray(tokens, np.int64)).to(hf.device)
 
 
 # ---------------------------------------------------------------------------------------------- speed
@@ -347,24 +378,52 @@ def run_compare(pair: Pair, options: Options, log=None) -> dict[str, Any]:
         layer_errors=errors,
         greedy=agreement,
         speed=speeds,
-        environment=environment() | _torch_environment(),
+        environment=environment() | _torch_environment(pair.hf),
     )
 
 
-def _torch_environment() -> dict[str, Any]:
+def _torch_environment(hf) -> dict[str, Any]:
+    import importlib.util
+
     import torch
     import transformers
 
-    return dict(torch=torch.__version__, torch_threads=torch.get_num_threads(), transformers=transformers.__version__)
+    env = dict(torch=torch.__version__, torch_threads=torch.get_num_threads(), transformers=transformers.__version__)
+    env |= dict(torch_device=str(hf.device))
+    if hf.device.type == "cuda":
+        env |= dict(torch_device_name=torch.cuda.get_device_name(hf.device))
+    # transformers takes its fused Mamba kernels from these packages when installed, else runs its torch path
+    return env | {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
+
+
+def resolve_torch_device(choice: str) -> str:
+    """transformers' device for --torch-device: 'auto' is CUDA when granite-jax runs on a GPU and torch sees one."""
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise ExperimentError(f"--torch-device cuda: torch {torch.__version__} sees no CUDA device")
+    if has_cuda:  # JAX would otherwise take 75% of the GPU's memory before transformers loads
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if choice == "cuda":
+        return "cuda"
+    return "cuda" if has_cuda and jax.default_backend() == "gpu" else "cpu"
 
 
 def table(results: dict[str, Any]) -> str:
     """The comparison as one Markdown table: measure | granite-jax | transformers | result."""
-    lines = ["| measure | granite-jax | transformers | result |", "|---|---|---|---|"]
+    jax_on, torch_on = results["environment"].get("backend", "?"), results["environment"].get("torch_device", "cpu")
+    lines = [f"| measure | granite-jax ({jax_on}) | transformers ({torch_on}) | result |", "|---|---|---|---|"]
     for row in results["layer_errors"]:
         label = "logits" if row["layer"] == "logits" else f"layer {row['layer']} ({row['kind']})"
         result = f"max {format_value(row['max_abs_err'])}, rel {format_value(row['rel_err'])}"
-        lines.append(f"| {label}: max abs / rel error | | | {result} |")
+        ours, theirs = (  # below float32: each side's relative error against float32, in its own column
+            (f"rel {format_value(row[f'{side}_rel_err_vs_f32'])} vs float32" if "jax_rel_err_vs_f32" in row else "")
+            for side in ("jax", "hf")
+        )
+        lines.append(f"| {label}: max abs / rel error | {ours} | {theirs} | {result} |")
     g = results["greedy"]
     lines.append(
         f"| greedy agreement ({g['prompts']} prompts x {g['new_tokens']} tokens) | | | "
@@ -383,11 +442,14 @@ def _speed_line(label: str, s: dict[str, Any], phase: str) -> str:
 
 
 def plot(results: dict[str, Any], path: str) -> str:
-    """Left: relative error per layer (log scale). Right: tokens/s of both, with the speed-ups."""
+    """Left: relative error per layer (log scale). Right, when measured: tokens/s of both, with the speed-ups."""
     plt = matplotlib_pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    if results["speed"]:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+        plot_speed(right, results["speed"])
+    else:
+        fig, left = plt.subplots(figsize=(7, 4.5))
     plot_layer_errors(left, results["layer_errors"], results["dtype"])
-    plot_speed(right, results["speed"])
     fig.suptitle(results["model"], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -405,9 +467,13 @@ def plot_layer_errors(ax, rows: list[dict[str, Any]], dtype: str) -> None:
     logits = [r for r in rows if r["layer"] == "logits"]
     if logits:
         ax.axhline(max(logits[0]["rel_err"], 1e-12), color="gray", ls="--", label="logits relative error")
+    if layers and "jax_rel_err_vs_f32" in layers[0]:
+        for key, style, side in (("jax", "g^-", "granite-jax"), ("hf", "rv-", "transformers")):
+            values = [max(r[f"{key}_rel_err_vs_f32"], 1e-12) for r in layers]
+            ax.plot(x, values, style, ms=4, label=f"{side} vs float32 (relative)")
     ax.set_yscale("log")
     ax.set_xticks(x, [str(i) for i in x], fontsize=7 if len(layers) > 16 else 10)
-    ax.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="error vs transformers")
+    ax.set(xlabel="layer (blue: Mamba, orange: attention)", ylabel="error (bars: granite-jax vs transformers)")
     ax.set_title(f"hidden-state error, {dtype}")
     ax.legend(fontsize=8)
 
@@ -481,6 +547,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.set_num_threads for transformers (default: torch's own, one per core); 1 avoids its thread "
         "pool spinning when other processes share the cores",
     )
+    p.add_argument(
+        "--torch-device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where transformers runs (default auto: CUDA when granite-jax runs on a GPU and torch sees one, else "
+        "CPU). With CUDA, JAX allocates GPU memory as needed instead of preallocating, so both fit",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     return p
 
@@ -531,12 +604,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
         set_torch_threads(args.torch_threads, "--torch-threads")
+        torch_device = resolve_torch_device(args.torch_device)
         out = args.out or _default_out(args)
         with output_dir(out, "--out"):  # a failed run leaves no empty directory behind
             spec = ModelSpec(checkpoint=args.model, name=args.config, num_layers=args.num_layers, seed=args.seed)
             _log(log, f"loading {spec.describe()} into granite-jax and transformers")
             with torch_matmul_precision(args.dtype):
-                pair = load_pair(spec, dtype=args.dtype, weight_dtype=args.weight_dtype, ssd_impl=args.ssd_impl)
+                pair = load_pair(
+                    spec,
+                    dtype=args.dtype,
+                    weight_dtype=args.weight_dtype,
+                    ssd_impl=args.ssd_impl,
+                    torch_device=torch_device,
+                )
                 results = run_compare(pair, options, log)
     except (ExperimentError, CheckpointError, ConfigError, GenerationError) as e:
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)

@@ -612,7 +612,15 @@ def _linears(model: Granite) -> list[Linear]:
 
 def with_ssd_impl(model: Granite, impl: str) -> Granite:
     """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
-    cfg = model.cfg.replace(ssd_impl=impl)
-    other = nnx.eval_shape(lambda: Granite(cfg, dtype=model.dtype, rngs=nnx.Rngs(0)))
+    return _sharing_weights(model, model.cfg.replace(ssd_impl=impl), model.dtype)
+
+
+def with_dtype(model: Granite, dtype) -> Granite:
+    """The same weights (shared, not copied, in the dtype they are stored in) computing in `dtype`."""
+    return _sharing_weights(model, model.cfg, dtype)
+
+
+def _sharing_weights(model: Granite, cfg: ModelConfig, dtype) -> Granite:
+    other = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

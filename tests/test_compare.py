@@ -6,9 +6,11 @@ import json
 import os
 
 import jax
+import numpy as np
 import pytest
 
 from granite_jax import compare
+from granite_jax.experiments.common import ModelSpec, random_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,6 +34,7 @@ def test_per_layer_error_within_float32_tolerance(compared):
     assert rows[1]["kind"] == "attention" and rows[3]["kind"] == "mamba + final norm"
     for row in rows:
         assert row["rel_err"] <= 1e-5, row
+        assert "jax_rel_err_vs_f32" not in row  # float32 is its own reference
 
 
 def test_greedy_continuations_agree(compared):
@@ -55,6 +58,8 @@ def test_speed_rows_and_outputs(compared, capsys):
     text = compare.table(results)
     assert "greedy agreement (4 prompts x 8 tokens) | | | 32/32 tokens (100.0%)" in text
     assert "decode tok/s (batch 1, 4 new)" in text
+    assert f"| measure | granite-jax ({jax.default_backend()}) | transformers (cpu) | result |" in text
+    assert results["environment"]["torch_device"] == "cpu"  # auto: granite-jax on CPU, so transformers too
 
 
 def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path):
@@ -67,6 +72,25 @@ def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path
     assert results["dtype"] == "float32" and results["summary"]["weight_dtype"] == "bfloat16"
     assert all(row["rel_err"] <= 1e-5 for row in results["layer_errors"]), results["layer_errors"]
     assert results["greedy"]["fraction"] == 1.0
+
+
+def test_bfloat16_rows_set_each_side_beside_float32(tmp_path):
+    # In bfloat16 the two differ by their rounding: each row also measures both against granite-jax in float32 on
+    # the same weights, whose logits transformers reproduces in float32 (so the reference is float32 arithmetic).
+    out = tmp_path / "out"
+    argv = ["--config", "tiny", "--dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
+    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "4"]) == 0
+    results = json.loads((out / "compare.json").read_text())
+    for row in results["layer_errors"]:
+        for side in ("jax", "hf"):
+            assert 1e-4 < row[f"{side}_rel_err_vs_f32"] < 5e-2, row  # bfloat16 rounding, nothing worse
+    assert "| logits: max abs / rel error | rel " in compare.table(results)
+    pair = compare.load_pair(ModelSpec(name="tiny"), dtype="bfloat16")
+    reference = compare.with_dtype(pair.jax, jax.numpy.float32)
+    tokens = random_tokens(reference.cfg.vocab_size, 2, 40, 0)
+    ours = compare.jax_layer_outputs(reference, tokens)[-1]
+    theirs = compare.hf_layer_outputs(pair.hf.float(), tokens)[-1]  # the same bfloat16 values, in float32
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-5
 
 
 def test_a_generation_error_is_one_line_and_leaves_no_empty_output(hf_checkpoint, tmp_path, capsys):
@@ -100,6 +124,10 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     ]
     if jax.default_backend() != "gpu":
         bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl='pallas' needs an NVIDIA GPU"))
+    import torch
+
+    if not torch.cuda.is_available():
+        bad_inputs.append((["--config", "tiny", "--torch-device", "cuda"], "--torch-device cuda: torch 2"))
     for args, message in bad_inputs:
         assert compare.main([*args, "--no-speed", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()

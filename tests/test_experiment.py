@@ -91,6 +91,13 @@ def test_parity_quick_run(tmp_path):
     assert open(os.path.join(out, "parity.png"), "rb").read(8) == PNG
 
 
+def test_parity_in_bfloat16_reports_both_sides_against_float32(tmp_path):
+    _, results, markdown = _run("configs/experiments/parity.py", tmp_path, dtype="bfloat16")
+    summary = results["summary"]
+    assert 0 < summary["logits_jax_rel_err_vs_f32"] < 5e-2 and 0 < summary["logits_hf_rel_err_vs_f32"] < 5e-2
+    assert "jax_rel_err_vs_f32" in markdown and "hf_rel_err_vs_f32" in markdown
+
+
 def test_scaling_quick_run(tmp_path):
     out, results, markdown = _run("configs/experiments/scaling.py", tmp_path, seq_lens=(16, 32))
     rows = results["rows"]

@@ -24,6 +24,7 @@ from granite_jax.model import (
     attend_cache,
     count_params,
     pack_for_decoding,
+    with_dtype,
     with_ssd_impl,
 )
 from granite_jax.params import load_model
@@ -336,6 +337,23 @@ def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_
         outs.append(np.concatenate(logits, axis=1))
     assert outs[1].dtype == np.float32
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6 * np.abs(outs[0]).max())
+
+
+def test_with_dtype_computes_in_float32_on_the_same_bfloat16_weights(tiny_checkpoint):
+    # compare's float32 reference for a bfloat16 model: the bfloat16 weights shared as they are, every operation in
+    # float32, i.e. the model loaded in float32 on bfloat16 weights.
+    bf16 = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
+    f32 = with_dtype(bf16, jnp.float32)
+    assert f32.dtype == jnp.float32 and f32.cfg == bf16.cfg
+    shared = zip(jax.tree.leaves(nnx.state(bf16, nnx.Param)), jax.tree.leaves(nnx.state(f32, nnx.Param)))
+    assert all(a is b for a, b in shared)
+    expected = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(5).integers(3, 300, (2, 24)))
+    forward = jax.jit(lambda m, t: m.forward(t)[0])
+    logits = forward(f32, ids)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(forward(expected, ids)))
+    assert rel_err(forward(bf16, ids), logits) > 1e-4  # bfloat16 rounding: f32 is not the bfloat16 model
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="XLA alone converts every weight at the start of a step")

@@ -35,15 +35,22 @@ def run(config) -> Result:
         tolerance=m.tolerance,
         within_tolerance=worst["rel_err"] <= m.tolerance and rows[-1]["rel_err"] <= m.tolerance,
     )
+    vs_f32 = ["jax_rel_err_vs_f32", "hf_rel_err_vs_f32"] if "jax_rel_err_vs_f32" in rows[0] else []
+    summary |= {f"logits_{key}": rows[-1][key] for key in vs_f32}
     return Result(
         title=f"Parity with transformers: per-layer error ({w.dtype})",
         rows=rows,
-        columns=["layer", "kind", "max_abs_err", "rel_err", "max_abs"],
+        columns=["layer", "kind", "max_abs_err", "rel_err", "max_abs", *vs_f32],
         summary=summary,
         notes=[
             "rel_err = ||granite-jax - transformers|| / ||transformers|| over the layer output (batch x tokens x "
             "hidden); the last layer is compared after the final norm, as transformers reports it.",
             f"prompts: {w.batch} x {w.seq_len} random tokens (seed {config.model.seed}).",
+            *(
+                ["*_rel_err_vs_f32: each side's relative error against granite-jax in float32 on the same weights."]
+                if vs_f32
+                else []
+            ),
         ],
         plots={"parity.png": lambda path: plot(rows, w.dtype, spec.describe(), path)},
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
