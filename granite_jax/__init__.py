@@ -9,7 +9,15 @@ Usage:
 """
 
 from granite_jax.config import ConfigError, ModelConfig
-from granite_jax.model import Cache, Granite, abstract_model, count_params, pack_for_decoding, with_ssd_impl
+from granite_jax.model import (
+    Cache,
+    Granite,
+    abstract_model,
+    count_params,
+    pack_for_decoding,
+    with_dtype,
+    with_ssd_impl,
+)
 from granite_jax.params import CheckpointError, load_model
 from granite_jax.presets import RELEASED, released_config
 from granite_jax.ssd import ssd, ssd_reference, ssd_step
@@ -31,6 +39,7 @@ __all__ = [
     "ssd",
     "ssd_reference",
     "ssd_step",
+    "with_dtype",
     "with_ssd_impl",
 ]
 
