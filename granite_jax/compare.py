@@ -9,13 +9,15 @@ decode speed of both and their ratios; saves compare.json and compare.png.
 How each number is measured:
 - Errors: one forward over random prompts in both; granite-jax's layer outputs (`forward(return_hidden=True)`)
   against transformers' `output_hidden_states` (whose last entry has the final norm applied, so ours does too), and
-  the logits. Relative error is ||jax - hf|| / ||hf|| over the whole tensor.
+  the logits. Relative error is ||jax - hf|| / ||hf|| over the whole tensor. Below float32, each side is also set
+  against granite-jax in float32 on the same weights, since two bfloat16 models differ by their rounding.
 - Greedy agreement: each prompt is continued greedily by both (`Generator.generate` and `model.generate`), one prompt
   at a time; a row agrees up to its first differing token.
 - Speed: greedy generation of exactly `new_tokens` tokens from `batch` random prompts of `prompt_len` tokens, best of
   `repeats` runs after a warm-up. Prefill: prompt in, first token on the host. Decode: the remaining tokens of every
   row over the remaining time. granite-jax times itself (`Generator.measure`, compilation excluded); transformers
   is timed by a streamer that stamps each token as `generate` emits it.
+- Devices: transformers runs where `--torch-device` says (auto: on the GPU when granite-jax runs on one).
 """
 
 from __future__ import annotations
