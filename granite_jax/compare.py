@@ -142,35 +142,48 @@ def layer_errors(pair: Pair, tokens: np.ndarray, *, rewritten: bool = False) -> 
     Below float32 the two differ by their rounding as much as by anything else, so each row also has each side's
     relative error against granite-jax in float32 on the same weights (`jax_rel_err_vs_f32`, `hf_rel_err_vs_f32`):
     whether either is further from the float32 result than the other. `rewritten`: run granite-jax's forward through
-    `rewriter.rewrite`."""
+    `rewriter.rewrite`. Outputs stay where they were computed; one layer at a time goes to the host in float64."""
     ours = jax_layer_outputs(pair.jax, tokens, rewritten)
     theirs = hf_layer_outputs(pair.hf, tokens)
-    kinds = [*pair.jax.cfg.layer_types[:-1], pair.jax.cfg.layer_types[-1] + " + final norm", ""]
-    labels = [*map(str, range(len(kinds) - 1)), "logits"]
-    rows = [dict(layer=i, kind=k, **_errors(a, b)) for i, k, a, b in zip(labels, kinds, ours, theirs)]
+    reference = None
     if jnp.dtype(pair.jax.dtype) != jnp.float32:
         with jax.default_matmul_precision("highest"):
             reference = jax_layer_outputs(with_dtype(pair.jax, jnp.float32), tokens, rewritten)
-        for row, a, b, r in zip(rows, ours, theirs, reference):
+    kinds = [*pair.jax.cfg.layer_types[:-1], pair.jax.cfg.layer_types[-1] + " + final norm", ""]
+    labels = [*map(str, range(len(kinds) - 1)), "logits"]
+    rows = []
+    for i, (label, kind, a, b) in enumerate(zip(labels, kinds, ours, theirs, strict=True)):
+        a, b = to_float64(a), to_float64(b)
+        row = dict(layer=label, kind=kind, **_errors(a, b))
+        if reference is not None:
+            r = to_float64(reference[i])
             row |= dict(jax_rel_err_vs_f32=_relative(a, r), hf_rel_err_vs_f32=_relative(b, r))
+        rows.append(row)
     return rows
 
 
-def jax_layer_outputs(model: Granite, tokens: np.ndarray, rewritten: bool = False) -> list[np.ndarray]:
+def jax_layer_outputs(model: Granite, tokens: np.ndarray, rewritten: bool = False) -> list[jax.Array]:
     """granite-jax's output of every layer, the last after the final norm as transformers reports it, then the
-    logits; in float64."""
+    logits."""
     forward = jax.jit(maybe_rewritten(lambda m, t: m.forward(t, return_hidden=True), rewritten))
     logits, _, hidden = forward(model, jnp.asarray(tokens))
-    return [np.asarray(x, np.float64) for x in (*hidden[:-1], model.norm(hidden[-1]), logits)]
+    return [*hidden[:-1], model.norm(hidden[-1]), logits]
 
 
-def hf_layer_outputs(hf, tokens: np.ndarray) -> list[np.ndarray]:
-    """transformers' `output_hidden_states` after the embedding, then the logits; in float64."""
+def hf_layer_outputs(hf: Any, tokens: np.ndarray) -> list[Any]:
+    """transformers' `output_hidden_states` after the embedding, then the logits (torch tensors on its device)."""
     import torch
 
     with torch.inference_mode():
         out = hf(torch_ids(hf, tokens), output_hidden_states=True)
-    return [x.double().cpu().numpy() for x in (*out.hidden_states[1:], out.logits)]
+    return [*out.hidden_states[1:], out.logits]
+
+
+def to_float64(x: Any) -> np.ndarray:
+    """A JAX array or a torch tensor (any device) on the host in float64."""
+    if hasattr(x, "detach"):  # torch: to float32 where it lives (numpy has no bfloat16), then to the host
+        x = x.detach().float().cpu().numpy()
+    return np.asarray(x, np.float64)
 
 
 def maybe_rewritten(fn, rewritten: bool):
@@ -253,7 +266,7 @@ def hf_generate(hf, tokens: np.ndarray, new_tokens: int, streamer=None) -> np.nd
     return out.cpu().numpy()
 
 
-def torch_ids(hf, tokens: np.ndarray):
+def torch_ids(hf: Any, tokens: np.ndarray) -> Any:
     """Token ids as an int64 tensor on the device of transformers' model."""
     import torch
 
@@ -398,6 +411,12 @@ def _torch_environment(hf) -> dict[str, Any]:
     return env | {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
 
 
+def share_gpu_with_torch() -> None:
+    """Have JAX allocate GPU memory as it needs it, so that transformers fits beside it (JAX preallocates 75% of the
+    GPU by default). Takes effect only before JAX starts its backend: `main` calls it before anything runs."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
 def resolve_torch_device(choice: str) -> str:
     """transformers' device for --torch-device: 'auto' is CUDA when granite-jax runs on a GPU and torch sees one."""
     if choice == "cpu":
@@ -406,9 +425,9 @@ def resolve_torch_device(choice: str) -> str:
 
     has_cuda = torch.cuda.is_available()
     if choice == "cuda" and not has_cuda:
-        raise ExperimentError(f"--torch-device cuda: torch {torch.__version__} sees no CUDA device")
-    if has_cuda:  # JAX would otherwise take 75% of the GPU's memory before transformers loads
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        raise ExperimentError(
+            f"--torch-device cuda: torch {torch.__version__} sees no CUDA device; use --torch-device cpu"
+        )
     if choice == "cuda":
         return "cuda"
     return "cuda" if has_cuda and jax.default_backend() == "gpu" else "cpu"
@@ -421,11 +440,8 @@ def table(results: dict[str, Any]) -> str:
     for row in results["layer_errors"]:
         label = "logits" if row["layer"] == "logits" else f"layer {row['layer']} ({row['kind']})"
         result = f"max {format_value(row['max_abs_err'])}, rel {format_value(row['rel_err'])}"
-        ours, theirs = (  # below float32: each side's relative error against float32, in its own column
-            (f"rel {format_value(row[f'{side}_rel_err_vs_f32'])} vs float32" if "jax_rel_err_vs_f32" in row else "")
-            for side in ("jax", "hf")
-        )
-        lines.append(f"| {label}: max abs / rel error | {ours} | {theirs} | {result} |")
+        ours, theirs = _vs_float32_cell(row, "jax"), _vs_float32_cell(row, "hf")
+        lines.append(f"| {label}: max abs / rel error |{ours}|{theirs}| {result} |")
     g = results["greedy"]
     lines.append(
         f"| greedy agreement ({g['prompts']} prompts x {g['new_tokens']} tokens) | | | "
@@ -436,6 +452,12 @@ def table(results: dict[str, Any]) -> str:
         lines.append(_speed_line(f"prefill tok/s ({shape})", s, "prefill"))
         lines.append(_speed_line(f"decode tok/s (batch {s['batch']}, {s['new_tokens']} new)", s, "decode"))
     return "\n".join(lines) + "\n"
+
+
+def _vs_float32_cell(row: dict[str, Any], side: str) -> str:
+    """Below float32: one side's relative error against float32, for its column of the table ('' otherwise)."""
+    key = f"{side}_rel_err_vs_f32"
+    return f" rel {format_value(row[key])} vs float32 " if key in row else " "
 
 
 def _speed_line(label: str, s: dict[str, Any], phase: str) -> str:
@@ -606,6 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ExperimentError("--num-layers applies to --config (random weights) only")
         options = options_from_args(args)
         set_torch_threads(args.torch_threads, "--torch-threads")
+        if args.torch_device != "cpu":
+            share_gpu_with_torch()  # before resolve_torch_device starts JAX's backend
         torch_device = resolve_torch_device(args.torch_device)
         out = args.out or _default_out(args)
         with output_dir(out, "--out"):  # a failed run leaves no empty directory behind

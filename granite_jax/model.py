@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.typing import DTypeLike
 
 from granite_jax import cpu_kernels
 from granite_jax.config import ATTENTION, MAMBA, ModelConfig
@@ -615,12 +616,14 @@ def with_ssd_impl(model: Granite, impl: str) -> Granite:
     return _sharing_weights(model, model.cfg.replace(ssd_impl=impl), model.dtype)
 
 
-def with_dtype(model: Granite, dtype) -> Granite:
+def with_dtype(model: Granite, dtype: DTypeLike) -> Granite:
     """The same weights (shared, not copied, in the dtype they are stored in) computing in `dtype`."""
     return _sharing_weights(model, model.cfg, dtype)
 
 
-def _sharing_weights(model: Granite, cfg: ModelConfig, dtype) -> Granite:
+def _sharing_weights(model: Granite, cfg: ModelConfig, dtype: DTypeLike) -> Granite:
+    """A model of `cfg` computing in `dtype` on `model`'s parameters. Packed decode copies (`pack_for_decoding`) are
+    not carried over: pack the new model again if it decodes on CPUs."""
     other = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

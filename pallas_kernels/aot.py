@@ -136,8 +136,7 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
     lowered = jax.jit(fn).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
     arch = "sm_90a" if gpu in ("h100", "h200") else "sm_80"
     with tempfile.TemporaryDirectory() as dump:
-        lowered.compile(compiler_options={"xla_dump_to": dump})
-        names = os.listdir(dump)
+        names = _compile_with_dump(lowered, dump)
         thunks = "".join(open(os.path.join(dump, f)).read() for f in names if f.endswith("thunk_sequence.txt"))
         ptx = {f: open(os.path.join(dump, f)).read() for f in names if f.endswith(".ptx")}
         kernels = []
@@ -160,3 +159,28 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
                 entry["wgmma"] = "wgmma" in ptx[source]
             kernels.append(entry)
     return kernels
+
+
+def thunk_counts(fn, *args, donate_argnums: tuple[int, ...] = (), gpu: str = "h200") -> dict[str, int]:
+    """Compile `fn(*args)` for `gpu` and count the thunks of its program by XLA kind: `kCustomKernel` (a kernel
+    launch: each fusion, each Pallas call), `kCopy` (a device copy), `kWhile`, `kConditional`, ... Loop bodies and
+    both branches of a conditional count once each. Run inside `pallas_kernels.cuda_lowering()`.
+
+    For steps too short to be bound by memory traffic (a decode step of a few ms), the launches are the cost.
+    `donate_argnums` as for `jax.jit`: without the donation the caller makes, XLA copies buffers it would update in
+    place.
+    """
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
+    with tempfile.TemporaryDirectory() as dump:
+        names = _compile_with_dump(lowered, dump)
+        thunks = "".join(open(os.path.join(dump, f)).read() for f in names if f.endswith("thunk_sequence.txt"))
+    counts: dict[str, int] = {}
+    for kind in re.findall(r"^\s*\d+: (k\w+)", thunks, flags=re.MULTILINE):
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def _compile_with_dump(lowered, dump: str) -> list[str]:
+    """Compile `lowered` with XLA's dump (HLO, thunk sequence, PTX) written into `dump`; the names of its files."""
+    lowered.compile(compiler_options={"xla_dump_to": dump})
+    return os.listdir(dump)

@@ -31,6 +31,9 @@ FLAGS = {
         "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot --once"
     ),
     "gpu_generate.py": "--max-new-tokens --repeats --out --smoke",
+    "gpu_step_kernels.py": (
+        "--shape --layers --batch --dtype --weight-dtype --ssd-impl --prompt-len --cache-len --gpu --json"
+    ),
 }
 
 # (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
@@ -65,6 +68,9 @@ BAD = [
     ("gpu_ssd.py", ["--smoke", "--sweep", "--sweep-len", "0"], "argument --sweep-len: must be >= 1"),
     ("gpu_ssd.py", ["--smoke", "--skip", "palas"], "argument --skip: unknown palas"),
     ("gpu_ssd.py", ["--smoke", "--peak-gbs", "0"], "argument --peak-gbs: must be > 0"),
+    ("gpu_step_kernels.py", ["--prompt-len", "2048"], "--prompt-len 2048 does not fit --cache-len 1024"),
+    ("gpu_step_kernels.py", ["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    ("gpu_step_kernels.py", ["--json", "{missing}"], "the directory does not exist"),
 ]
 
 

@@ -6,10 +6,10 @@ import json
 import os
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
-from granite_jax import compare
+from granite_jax import compare, with_dtype
 from granite_jax.experiments.common import ModelSpec, random_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,11 @@ def test_speed_rows_and_outputs(compared, capsys):
     text = compare.table(results)
     assert "greedy agreement (4 prompts x 8 tokens) | | | 32/32 tokens (100.0%)" in text
     assert "decode tok/s (batch 1, 4 new)" in text
-    assert f"| measure | granite-jax ({jax.default_backend()}) | transformers (cpu) | result |" in text
-    assert results["environment"]["torch_device"] == "cpu"  # auto: granite-jax on CPU, so transformers too
+    import torch
+
+    torch_device = "cuda:0" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"  # auto
+    assert f"| measure | granite-jax ({jax.default_backend()}) | transformers ({torch_device}) | result |" in text
+    assert results["environment"]["torch_device"] == torch_device
 
 
 def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path):
@@ -75,22 +78,40 @@ def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path
 
 
 def test_bfloat16_rows_set_each_side_beside_float32(tmp_path):
-    # In bfloat16 the two differ by their rounding: each row also measures both against granite-jax in float32 on
-    # the same weights, whose logits transformers reproduces in float32 (so the reference is float32 arithmetic).
+    # In bfloat16 the two differ by their rounding: each row also sets each side against granite-jax in float32 on the
+    # same weights. Recomputed here from the same weights (seed 0) and prompts: the reference is float32 arithmetic
+    # (transformers in float32 on the same bfloat16 values gives its logits), and each column measures its own side.
     out = tmp_path / "out"
     argv = ["--config", "tiny", "--dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
     assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "4"]) == 0
     results = json.loads((out / "compare.json").read_text())
-    for row in results["layer_errors"]:
-        for side in ("jax", "hf"):
-            assert 1e-4 < row[f"{side}_rel_err_vs_f32"] < 5e-2, row  # bfloat16 rounding, nothing worse
     assert "| logits: max abs / rel error | rel " in compare.table(results)
     pair = compare.load_pair(ModelSpec(name="tiny"), dtype="bfloat16")
-    reference = compare.with_dtype(pair.jax, jax.numpy.float32)
-    tokens = random_tokens(reference.cfg.vocab_size, 2, 40, 0)
-    ours = compare.jax_layer_outputs(reference, tokens)[-1]
-    theirs = compare.hf_layer_outputs(pair.hf.float(), tokens)[-1]  # the same bfloat16 values, in float32
-    assert np.linalg.norm(ours - theirs) / np.linalg.norm(theirs) < 1e-5
+    tokens = random_tokens(pair.jax.cfg.vocab_size, 2, 40, 0)  # compare's error prompts
+    f64 = compare.to_float64
+    ours = [f64(x) for x in compare.jax_layer_outputs(pair.jax, tokens)]
+    theirs = [f64(x) for x in compare.hf_layer_outputs(pair.hf, tokens)]
+    reference = [f64(x) for x in compare.jax_layer_outputs(with_dtype(pair.jax, jnp.float32), tokens)]
+    hf_float32 = f64(compare.hf_layer_outputs(pair.hf.float(), tokens)[-1])  # .float(): in place, after the above
+    assert compare._relative(reference[-1], hf_float32) < 1e-5
+    rows = results["layer_errors"]
+    for row, a, b, r in zip(rows, ours, theirs, reference, strict=True):
+        assert row["jax_rel_err_vs_f32"] == pytest.approx(compare._relative(a, r), rel=1e-4), row
+        assert row["hf_rel_err_vs_f32"] == pytest.approx(compare._relative(b, r), rel=1e-4), row
+        assert 1e-4 < row["jax_rel_err_vs_f32"] < 5e-2 and 1e-4 < row["hf_rel_err_vs_f32"] < 5e-2, row
+
+
+def test_auto_torch_device_follows_granite_jax(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for backend, expected in (("gpu", "cuda"), ("cpu", "cpu")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert compare.resolve_torch_device("auto") == expected
+    assert compare.resolve_torch_device("cpu") == "cpu" and compare.resolve_torch_device("cuda") == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert compare.resolve_torch_device("auto") == "cpu"
 
 
 def test_a_generation_error_is_one_line_and_leaves_no_empty_output(hf_checkpoint, tmp_path, capsys):

@@ -79,3 +79,21 @@ def test_generation_check_compares_pallas_with_xla(tmp_path):
     assert len(set(doc["runs"]["float32"]["xla"]["token_ids"][1])) > 1  # large weights: a varied continuation
     proc = run(cwd=str(tmp_path), script=GENERATE_SCRIPT)  # no GPU, no --smoke
     assert proc.returncode == 2 and "no GPU" in proc.stderr
+
+
+@pytest.mark.aot
+def test_step_kernels_counts_and_splits_the_decode_step(h200_target, tmp_path):
+    # h-tiny's first six layers (five Mamba, one attention) compiled for an H200 without a GPU: the decode step's
+    # kernel launches, and one layer of each kind plus the rest adding up to them (up to XLA fusing across layers).
+    out = tmp_path / "steps.json"
+    args = ["--layers", "6", "--prompt-len", "64", "--cache-len", "128", "--json", str(out)]
+    proc = run(*args, cwd=ROOT, script=os.path.join(ROOT, "benchmarks", "gpu_step_kernels.py"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["mamba_layers"], doc["attention_layers"]) == (5, 1)
+    parts, kernels = doc["decode_parts"], "kCustomKernel"
+    assert parts["mamba_layer"][kernels] > 0 and parts["attention_layer"][kernels] > 0 and parts["rest"][kernels] > 0
+    total = 5 * parts["mamba_layer"][kernels] + parts["attention_layer"][kernels] + parts["rest"][kernels]
+    assert total == pytest.approx(doc["steps"]["decode"][kernels], rel=0.05)
+    assert doc["steps"]["prefill"][kernels] > doc["steps"]["decode"][kernels]
+    assert "| decode: mamba layer |" in proc.stdout
