@@ -10,8 +10,9 @@ released model --shape with abstract weights, through XLA's GPU compiler, and co
 (`pallas_kernels.aot.thunk_counts`): kernel launches (XLA's fusions and the Pallas calls), device copies, loops and
 conditionals. Loop bodies and both branches of a conditional count once, so this is the program's size, an upper
 bound on one greedy step's launches outside loops. It also compiles one- and two-layer models of the same shape to
-split the decode step's kernels into one Mamba layer, one attention layer and the rest (embedding, head, sampler). No GPU is needed, but the CUDA PJRT
-plugin is (`make test` installs it into .aot/, hence PYTHONPATH=.aot; pallas_kernels/aot.py).
+split the decode step's kernels into one Mamba layer, one attention layer and the rest (embedding, head, sampler).
+No GPU is needed, but the CUDA PJRT plugin is (`make test` installs it into .aot/, hence PYTHONPATH=.aot;
+pallas_kernels/aot.py).
 """
 
 from __future__ import annotations
