@@ -49,7 +49,9 @@ from granite_jax.experiments.common import (
     model_summary,
     output_dir,
     random_tokens,
+    resolve_torch_device,
     set_torch_threads,
+    share_gpu_with_torch,
     torch_matmul_precision,
     write_json,
 )
@@ -103,6 +105,17 @@ def load_pair(
     from granite_jax.generate import load_tokenizer
 
     return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint) if spec.checkpoint else None)
+
+
+def load_workload_pair(spec: ModelSpec, workload: Any) -> Pair:
+    """`load_pair` as an experiment's workload section asks: dtype, weight_dtype, ssd_impl and torch_device."""
+    return load_pair(
+        spec,
+        dtype=workload.dtype,
+        weight_dtype=workload.weight_dtype,
+        ssd_impl=workload.ssd_impl,
+        torch_device=resolve_torch_device(workload.torch_device, "workload.torch_device"),
+    )
 
 
 def hf_model(model: Granite, checkpoint: str | None, dtype: str):
@@ -409,28 +422,6 @@ def _torch_environment(hf) -> dict[str, Any]:
         env |= dict(torch_device_name=torch.cuda.get_device_name(hf.device))
     # transformers takes its fused Mamba kernels from these packages when installed, else runs its torch path
     return env | {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
-
-
-def share_gpu_with_torch() -> None:
-    """Have JAX allocate GPU memory as it needs it, so that transformers fits beside it (JAX preallocates 75% of the
-    GPU by default). Takes effect only before JAX starts its backend: `main` calls it before anything runs."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
-def resolve_torch_device(choice: str) -> str:
-    """transformers' device for --torch-device: 'auto' is CUDA when granite-jax runs on a GPU and torch sees one."""
-    if choice == "cpu":
-        return "cpu"
-    import torch
-
-    has_cuda = torch.cuda.is_available()
-    if choice == "cuda" and not has_cuda:
-        raise ExperimentError(
-            f"--torch-device cuda: torch {torch.__version__} sees no CUDA device; use --torch-device cpu"
-        )
-    if choice == "cuda":
-        return "cuda"
-    return "cuda" if has_cuda and jax.default_backend() == "gpu" else "cpu"
 
 
 def table(results: dict[str, Any]) -> str:

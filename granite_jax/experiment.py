@@ -37,6 +37,7 @@ from granite_jax.experiments.common import (
     environment,
     markdown_table,
     output_dir,
+    share_gpu_with_torch,
     torch_matmul_precision,
     write_json,
 )
@@ -57,6 +58,7 @@ _CONFIG = config_flags.DEFINE_config_file(
     "--config.workload.batch=N, --config.workload.seq_len=N, --config.workload.seq_lens='(256,1024)', "
     "--config.workload.new_tokens=N, --config.workload.dtype=bfloat16, --config.workload.weight_dtype=bfloat16 "
     "(weights only, under dtype float32), --config.workload.ssd_impl=naive|xla|pallas, --config.workload.rewriter, "
+    "--config.workload.torch_device=auto|cpu|cuda (where transformers runs), "
     "--config.measure.repeats=N, --config.measure.warmup=N, --config.output_dir=DIR. Per experiment: parity "
     "measure.tolerance; rewrite measure.naive_repeats, measure.max_naive_seconds; throughput workload.batch_sizes, "
     "measure.transformers, measure.floor_probe_mib, measure.floor_pairs, measure.torch_threads. "
@@ -74,6 +76,8 @@ def run(config) -> str:
     check_model(config.model)
     check_workload(config.workload)
     check_measure(config.measure)
+    if config.workload.torch_device != "cpu":
+        share_gpu_with_torch()  # before the experiment starts JAX's backend
     out = config.output_dir or os.path.join("runs", f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     with output_dir(out, "output_dir"):  # a failed run leaves no empty directory behind
         module = importlib.import_module(EXPERIMENTS[config.experiment])
@@ -95,6 +99,7 @@ def _record(config, result: Result, plots: list[str], elapsed: float) -> dict[st
         command=" ".join(["python -m granite_jax.experiment", *sys.argv[1:]]),
         config=json.loads(config.to_json()),
         model=result.model,
+        workload=result.workload,
         summary=result.summary,
         rows=result.rows,
         notes=result.notes,

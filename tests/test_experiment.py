@@ -88,6 +88,7 @@ def test_parity_quick_run(tmp_path):
     assert [r["layer"] for r in results["rows"]] == ["0", "1", "2", "3", "logits"]
     assert results["summary"]["within_tolerance"] and results["summary"]["max_rel_err"] < 1e-5
     assert "| 1 | attention |" in markdown and "![parity.png](parity.png)" in markdown
+    assert results["workload"]["torch_device"] == ("cuda:0" if jax.default_backend() == "gpu" else "cpu")  # auto
     assert open(os.path.join(out, "parity.png"), "rb").read(8) == PNG
 
 
@@ -258,6 +259,19 @@ def test_bad_workload_values_rejected(tmp_path):
     config.output_dir = str(tmp_path / "a_file" / "out")
     with pytest.raises(ExperimentError, match="output_dir: cannot create"):  # at once, not after the run
         experiment.run(config)
+    config = load("configs/experiments/parity.py", "quick")
+    config.workload.torch_device = "gpu"
+    with pytest.raises(ExperimentError, match="workload.torch_device: 'gpu' is not one of auto, cpu, cuda"):
+        experiment.run(config)
+    import torch
+
+    if not torch.cuda.is_available():
+        config = load("configs/experiments/parity.py", "quick")
+        config.workload.torch_device = "cuda"
+        config.output_dir = str(tmp_path / "no_cuda")
+        with pytest.raises(ExperimentError, match="workload.torch_device cuda: torch .* sees no CUDA device"):
+            experiment.run(config)
+        assert not os.path.exists(config.output_dir)
     if jax.default_backend() != "gpu":
         config = load("configs/experiments/scaling.py", "quick")
         config.workload.ssd_impl = "pallas"
@@ -295,7 +309,7 @@ def test_unknown_field_is_one_line_exit_2():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
-        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, weight_dtype)"
+        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype)"
     ]
 
 

@@ -293,6 +293,9 @@ def default_config(experiment: str):
             weight_dtype=config_dict.placeholder(str),
             ssd_impl="xla",
             rewriter=False,  # run granite-jax's forward through rewriter.rewrite
+            # where transformers runs (parity, throughput): auto (CUDA when granite-jax runs on a GPU and torch sees
+            # one), cpu or cuda
+            torch_device="auto",
         )
     )
     c.measure = config_dict.ConfigDict(dict(repeats=3, warmup=1))
@@ -324,6 +327,10 @@ def check_workload(workload) -> None:
         raise ExperimentError(f"workload.{e}") from None
     if workload.ssd_impl not in SSD_IMPLS:
         raise ExperimentError(f"workload.ssd_impl: {workload.ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
+    if workload.torch_device not in TORCH_DEVICES:
+        raise ExperimentError(
+            f"workload.torch_device: {workload.torch_device!r} is not one of {', '.join(TORCH_DEVICES)}"
+        )
     for name in ("batch", "seq_len", "new_tokens"):
         if workload[name] < 1:
             raise ExperimentError(f"workload.{name} must be >= 1, got {workload[name]}")
@@ -375,6 +382,30 @@ def _at_least(value: Any, least: int | float, strict: bool = False) -> bool:
     if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value):
         return False
     return value > least if strict else value >= least
+
+
+def share_gpu_with_torch() -> None:
+    """Have JAX allocate GPU memory as it needs it, so that transformers fits beside it (JAX preallocates 75% of the
+    GPU by default). Takes effect only before JAX starts its backend: the commands call it before anything runs."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+TORCH_DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_torch_device(choice: str, flag: str = "--torch-device") -> str:
+    """transformers' device for `choice` (of TORCH_DEVICES, set by `flag`): 'auto' is CUDA when granite-jax runs on a
+    GPU and torch sees one."""
+    if choice == "cpu":
+        return "cpu"
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if choice == "cuda" and not has_cuda:
+        raise ExperimentError(f"{flag} cuda: torch {torch.__version__} sees no CUDA device; use cpu")
+    if choice == "cuda":
+        return "cuda"
+    return "cuda" if has_cuda and jax.default_backend() == "gpu" else "cpu"
 
 
 def set_torch_threads(n: int | None, flag: str) -> None:

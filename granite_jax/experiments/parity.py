@@ -11,7 +11,13 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from granite_jax import compare
-from granite_jax.experiments.common import Result, matplotlib_pyplot, model_spec, model_summary, random_tokens
+from granite_jax.experiments.common import (
+    Result,
+    matplotlib_pyplot,
+    model_spec,
+    model_summary,
+    random_tokens,
+)
 
 
 def run(config) -> Result:
@@ -19,7 +25,7 @@ def run(config) -> Result:
     spec = model_spec(config)
     with tqdm(total=2, desc="parity", unit="step") as bar:
         bar.set_postfix_str("loading both models")
-        pair = compare.load_pair(spec, dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
+        pair = compare.load_workload_pair(spec, w)
         bar.update()
         bar.set_postfix_str("forward")
         tokens = random_tokens(pair.jax.cfg.vocab_size, w.batch, w.seq_len, config.model.seed)
@@ -61,6 +67,7 @@ def run(config) -> Result:
             weight_dtype=w.weight_dtype or w.dtype,
             ssd_impl=w.ssd_impl,
             rewriter=w.rewriter,
+            torch_device=str(pair.hf.device),
         ),
     )
 

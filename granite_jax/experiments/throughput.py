@@ -53,7 +53,7 @@ def run(config) -> Result:
     spec = model_spec(config)
     set_torch_threads(m.get("torch_threads"), "measure.torch_threads")
     if m.transformers:
-        pair = compare.load_pair(spec, dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
+        pair = compare.load_workload_pair(spec, w)
     else:
         model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
         pair = compare.Pair(model, None, w.dtype, spec.describe())
@@ -106,6 +106,7 @@ def run(config) -> Result:
             dtype=w.dtype,
             weight_dtype=w.weight_dtype or w.dtype,
             ssd_impl=w.ssd_impl,
+            torch_device=str(pair.hf.device) if pair.hf is not None else None,
         ),
     )
 
