@@ -74,10 +74,10 @@ def run(config) -> str:
     if config.experiment not in EXPERIMENTS:
         raise ExperimentError(f"experiment: {config.experiment!r} is not one of {', '.join(EXPERIMENTS)}")
     check_model(config.model)
+    if config.workload.get("torch_device") != "cpu":
+        share_gpu_with_torch()  # before anything starts JAX's backend (check_workload may, for ssd_impl="pallas")
     check_workload(config.workload)
     check_measure(config.measure)
-    if config.workload.torch_device != "cpu":
-        share_gpu_with_torch()  # before the experiment starts JAX's backend
     out = config.output_dir or os.path.join("runs", f"{config.experiment}-{time.strftime('%Y%m%d-%H%M%S')}")
     with output_dir(out, "output_dir"):  # a failed run leaves no empty directory behind
         module = importlib.import_module(EXPERIMENTS[config.experiment])

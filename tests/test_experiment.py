@@ -279,6 +279,19 @@ def test_bad_workload_values_rejected(tmp_path):
             experiment.run(config)
 
 
+def test_gpu_memory_is_shared_with_torch_before_any_check_can_start_jax(monkeypatch):
+    # XLA_PYTHON_CLIENT_PREALLOCATE only counts before JAX's backend starts, and checking ssd_impl="pallas" starts it:
+    # so it is set before the workload is checked (here the check fails), and only when transformers may use CUDA.
+    for torch_device, expected in (("auto", "false"), ("cpu", None)):
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+        config = load("configs/experiments/parity.py", "quick")
+        config.workload.torch_device = torch_device
+        config.workload.ssd_impl = "fast"
+        with pytest.raises(ExperimentError, match="workload.ssd_impl: 'fast' is not one of"):
+            experiment.run(config)
+        assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == expected
+
+
 def test_experiment_config_argument_is_checked():
     for path in glob.glob(os.path.join(ROOT, "configs", "experiments", "*.py")):
         with pytest.raises(ValueError, match="unknown argument 'quik'"):
