@@ -159,7 +159,7 @@ def layer_errors(pair: Pair, tokens: np.ndarray, *, rewritten: bool = False) -> 
     ours = jax_layer_outputs(pair.jax, tokens, rewritten)
     theirs = hf_layer_outputs(pair.hf, tokens)
     reference = None
-    if jnp.dtype(pair.jax.dtype) != jnp.float32:
+    if jnp.finfo(pair.jax.dtype).bits < 32:
         with jax.default_matmul_precision("highest"):
             reference = jax_layer_outputs(with_dtype(pair.jax, jnp.float32), tokens, rewritten)
     kinds = [*pair.jax.cfg.layer_types[:-1], pair.jax.cfg.layer_types[-1] + " + final norm", ""]
@@ -410,7 +410,7 @@ def run_compare(pair: Pair, options: Options, log=None) -> dict[str, Any]:
     )
 
 
-def _torch_environment(hf) -> dict[str, Any]:
+def _torch_environment(hf: Any) -> dict[str, Any]:
     import importlib.util
 
     import torch
@@ -446,7 +446,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def _vs_float32_cell(row: dict[str, Any], side: str) -> str:
-    """Below float32: one side's relative error against float32, for its column of the table ('' otherwise)."""
+    """Below float32: one side's relative error against float32, for its column of the table (blank otherwise)."""
     key = f"{side}_rel_err_vs_f32"
     return f" rel {format_value(row[key])} vs float32 " if key in row else " "
 
