@@ -48,11 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_once(model_dir: str, dtype: str, impl: str, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+def run_once(loaded, impl: str, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+    """Generate with `loaded`'s weights (a Generator: read from disk once per dtype) through the SSD `impl`."""
     from granite_jax.compare import greedy
     from granite_jax.generate import Generator
 
-    results = Generator(model_dir, dtype=dtype, ssd_impl=impl).generate(prompts, greedy(max_new_tokens))
+    generator = Generator(model=loaded.model, tokenizer=loaded.tokenizer, ssd_impl=impl)
+    results = generator.generate(prompts, greedy(max_new_tokens))
     timing = results[0].timing
     return dict(
         token_ids=[list(r.token_ids) for r in results],
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pallas_kernels
     from granite_jax.compare import leading_agreement
+    from granite_jax.generate import Generator
     from granite_jax.testing import make_checkpoint
 
     device = jax.devices()[0]
@@ -82,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as model_dir, context:
         make_checkpoint(model_dir, **(SMOKE_CHECKPOINT if args.smoke else CHECKPOINT))
         for dtype in ("float32", "bfloat16"):
-            runs = {impl: run_once(model_dir, dtype, impl, prompts, args.max_new_tokens) for impl in IMPLS}
+            loaded = Generator(model_dir, dtype=dtype)
+            runs = {impl: run_once(loaded, impl, prompts, args.max_new_tokens) for impl in IMPLS}
             agree = [leading_agreement(a, b) for a, b in zip(runs["xla"]["token_ids"], runs["pallas"]["token_ids"])]
             summary["runs"][dtype] = runs | dict(agreeing_tokens=agree)
             for i, n in enumerate(agree):

@@ -18,7 +18,6 @@ pallas_kernels/aot.py).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -54,41 +53,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def step_counts(cfg, args: argparse.Namespace, steps: tuple[str, ...] = ("decode", "prefill")) -> dict[str, dict]:
-    """Thunk counts of the Generator's steps for the model `cfg` with abstract weights."""
-    import jax
+    """Thunk counts of the Generator's steps for the model `cfg` with abstract weights (the cache donated)."""
     import jax.numpy as jnp
-    from flax import nnx
 
     import pallas_kernels
-    from granite_jax.generate import SamplingConfig, _decode_step, _prefill_segment, _split
-    from granite_jax.model import Cache, Granite
+    from granite_jax.generate import abstract_steps
     from pallas_kernels import aot
 
     dtype, weight_dtype = jnp.dtype(args.dtype), jnp.dtype(args.weight_dtype or args.dtype)
-    model = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=weight_dtype, rngs=nnx.Rngs(0)))
-    graphdef, treedef, weights = _split(model)
-    cache = jax.eval_shape(lambda: Cache.init(cfg, args.batch, args.cache_len, dtype))
-    params = jax.eval_shape(lambda: SamplingConfig().device_params())
-    tokens = dict(
-        decode=(_decode_step, jax.ShapeDtypeStruct((args.batch,), jnp.int32)),
-        prefill=(_prefill_segment, jax.ShapeDtypeStruct((args.batch, args.prompt_len), jnp.int32)),
-    )
-    counts = {}
+    shapes = dict(batch=args.batch, prompt_len=args.prompt_len, cache_len=args.cache_len)
+    fns = abstract_steps(cfg, **shapes, dtype=dtype, weight_dtype=weight_dtype)
     with pallas_kernels.cuda_lowering():
-        for name in steps:
-            fn, ids = tokens[name]
-            step = functools.partial(fn, graphdef, treedef)
-            counts[name] = aot.thunk_counts(
-                step,
-                weights,
-                cache,
-                ids,
-                params,
-                jax.ShapeDtypeStruct((), jnp.int32),
-                donate_argnums=(1,),
-                gpu=args.gpu,
-            )
-    return counts
+        return {
+            name: aot.thunk_counts(fns[name][0], *fns[name][1], donate_argnums=(1,), gpu=args.gpu) for name in steps
+        }
 
 
 def marginal_counts(cfg, args: argparse.Namespace) -> dict[str, dict[str, int]]:

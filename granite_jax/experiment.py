@@ -74,7 +74,7 @@ def run(config) -> str:
     if config.experiment not in EXPERIMENTS:
         raise ExperimentError(f"experiment: {config.experiment!r} is not one of {', '.join(EXPERIMENTS)}")
     check_model(config.model)
-    if config.workload.get("torch_device") != "cpu":
+    if loads_transformers(config) and config.workload.torch_device != "cpu":
         share_gpu_with_torch()  # before anything starts JAX's backend (check_workload may, for ssd_impl="pallas")
     check_workload(config.workload)
     check_measure(config.measure)
@@ -90,6 +90,11 @@ def run(config) -> str:
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(report(config, result, plots))
     return out
+
+
+def loads_transformers(config) -> bool:
+    """Whether the experiment runs transformers beside granite-jax (the others leave JAX's GPU allocator as it is)."""
+    return config.experiment == "parity" or (config.experiment == "throughput" and config.measure.transformers)
 
 
 def _record(config, result: Result, plots: list[str], elapsed: float) -> dict[str, Any]:

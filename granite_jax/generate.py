@@ -38,7 +38,15 @@ from flax import nnx
 
 from granite_jax import cli, cpu_kernels
 from granite_jax.config import ATTENTION, SSD_IMPLS, ConfigError, ModelConfig
-from granite_jax.model import Cache, Granite, pack_for_decoding, packable, packing_bytes, with_ssd_impl
+from granite_jax.model import (
+    Cache,
+    Granite,
+    abstract_model,
+    pack_for_decoding,
+    packable,
+    packing_bytes,
+    with_ssd_impl,
+)
 from granite_jax.model import weight_dtype as weight_dtype_of
 from granite_jax.params import AUTO, DTYPES, CheckpointError, auto_weight_dtype, checked_dtype, load_model, model_dtypes
 from granite_jax.sampling import GenerationError, SamplerParams, SamplingConfig, check_utf8, is_int, sample_tokens
@@ -222,6 +230,30 @@ def _decode_step(graphdef, treedef, weights, cache: Cache, tokens, params: Sampl
     return logits, sample_tokens(logits, params, step), cache
 
 
+def abstract_steps(
+    cfg: ModelConfig,
+    *,
+    batch: int,
+    prompt_len: int,
+    cache_len: int,
+    dtype: Any,
+    weight_dtype: Any,
+    sampling: SamplingConfig | None = None,
+) -> dict[str, tuple[Callable, tuple]]:
+    """The Generator's prefill and decode steps for the model `cfg`, with shape-only weights and arguments:
+    {"prefill": (fn, args), "decode": (fn, args)}, the cache being args[1], for compiling without running (deviceless
+    GPU compiles, kernel counts)."""
+    graphdef, treedef, weights = _split(abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype))
+    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, cache_len, dtype))
+    params = jax.eval_shape((sampling or SamplingConfig()).device_params)
+    S = jax.ShapeDtypeStruct
+    step, prompt, token = S((), jnp.int32), S((batch, prompt_len), jnp.int32), S((batch,), jnp.int32)
+    return dict(
+        prefill=(functools.partial(_prefill_segment, graphdef, treedef), (weights, cache, prompt, params, step)),
+        decode=(functools.partial(_decode_step, graphdef, treedef), (weights, cache, token, params, step)),
+    )
+
+
 # ---------------------------------------------------------------------------------------------- text and stops
 
 
@@ -385,7 +417,9 @@ class Generator:
         self.model = model
         self.cfg: ModelConfig = model.cfg
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
-        self.prefill_chunk, self.min_cache_len, self.max_cache_len = prefill_chunk, min_cache_len, max_cache_len
+        # plain ints (numpy ints are accepted): they reach BatchLayout, Timing and its JSON
+        self.prefill_chunk, self.min_cache_len = int(prefill_chunk), int(min_cache_len)
+        self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self.pack_weights, self.packed_bytes = pack_weights, 0
         self._views = {False: _split(model)}  # True: with the packed copies, made by `_view` when first needed
         self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> count

@@ -624,6 +624,6 @@ def with_dtype(model: Granite, dtype: DTypeLike) -> Granite:
 def _sharing_weights(model: Granite, cfg: ModelConfig, dtype: DTypeLike) -> Granite:
     """A model of `cfg` computing in `dtype` on `model`'s parameters. Packed decode copies (`pack_for_decoding`) are
     not carried over: pack the new model again if it decodes on CPUs."""
-    other = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    other = abstract_model(cfg, dtype=dtype)
     nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

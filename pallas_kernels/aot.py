@@ -115,7 +115,12 @@ def compile_for_gpu(fn, *args, gpu: str = "h200"):
 
     Returns the compiled executable (for `.as_text()`, `.cost_analysis()`); raises on any lowering or compile error.
     """
-    return jax.jit(fn).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",)).compile()
+    return _lowered(fn, args, gpu).compile()
+
+
+def _lowered(fn, args, gpu: str, donate_argnums: tuple[int, ...] = ()):
+    """`fn(*args)` jitted and lowered for `gpu`, its arguments placed on the compile-only device."""
+    return jax.jit(fn, donate_argnums=donate_argnums).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
 
 
 def _placed(args, gpu: str):
@@ -133,12 +138,10 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
     A static signal for choosing tile sizes without a GPU: occupancy follows from registers x threads and shared memory,
     spills are a red flag, and the grid shows how many CTAs there are to spread over the SMs.
     """
-    lowered = jax.jit(fn).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
     arch = "sm_90a" if gpu in ("h100", "h200") else "sm_80"
     with tempfile.TemporaryDirectory() as dump:
-        names = _compile_with_dump(lowered, dump)
-        thunks = "".join(open(os.path.join(dump, f)).read() for f in names if f.endswith("thunk_sequence.txt"))
-        ptx = {f: open(os.path.join(dump, f)).read() for f in names if f.endswith(".ptx")}
+        thunks = _compile_with_dump(_lowered(fn, args, gpu), dump)
+        ptx = {f: open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")}
         kernels = []
         for m in re.finditer(
             r"kCustomKernel .*?\] (\S+) grid: \[([\d, ]+)\] threads: \[([\d, ]+)\]\s+shared_memory: (\d+)", thunks
@@ -170,17 +173,16 @@ def thunk_counts(fn, *args, donate_argnums: tuple[int, ...] = (), gpu: str = "h2
     `donate_argnums` as for `jax.jit`: without the donation the caller makes, XLA copies buffers it would update in
     place.
     """
-    lowered = jax.jit(fn, donate_argnums=donate_argnums).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
     with tempfile.TemporaryDirectory() as dump:
-        names = _compile_with_dump(lowered, dump)
-        thunks = "".join(open(os.path.join(dump, f)).read() for f in names if f.endswith("thunk_sequence.txt"))
+        thunks = _compile_with_dump(_lowered(fn, args, gpu, donate_argnums), dump)
     counts: dict[str, int] = {}
     for kind in re.findall(r"^\s*\d+: (k\w+)", thunks, flags=re.MULTILINE):
         counts[kind] = counts.get(kind, 0) + 1
     return counts
 
 
-def _compile_with_dump(lowered, dump: str) -> list[str]:
-    """Compile `lowered` with XLA's dump (HLO, thunk sequence, PTX) written into `dump`; the names of its files."""
+def _compile_with_dump(lowered, dump: str) -> str:
+    """Compile `lowered` with XLA's dump (HLO, thunk sequence, PTX) written into `dump`; the thunk sequence's text."""
     lowered.compile(compiler_options={"xla_dump_to": dump})
-    return os.listdir(dump)
+    names = sorted(f for f in os.listdir(dump) if f.endswith("thunk_sequence.txt"))
+    return "".join(open(os.path.join(dump, f)).read() for f in names)

@@ -282,14 +282,20 @@ def test_bad_workload_values_rejected(tmp_path):
 def test_gpu_memory_is_shared_with_torch_before_any_check_can_start_jax(monkeypatch):
     # XLA_PYTHON_CLIENT_PREALLOCATE only counts before JAX's backend starts, and checking ssd_impl="pallas" starts it:
     # so it is set before the workload is checked (here the check fails), and only when transformers may use CUDA.
-    for torch_device, expected in (("auto", "false"), ("cpu", None)):
-        monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
-        config = load("configs/experiments/parity.py", "quick")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "unset")  # recorded, so that teardown restores the original
+    for experiment_name, torch_device, expected in (
+        ("parity", "auto", "false"),
+        ("parity", "cpu", None),
+        ("scaling", "auto", None),  # no transformers: JAX's allocator stays as it is
+    ):
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+        config = load(f"configs/experiments/{experiment_name}.py", "quick")
         config.workload.torch_device = torch_device
         config.workload.ssd_impl = "fast"
         with pytest.raises(ExperimentError, match="workload.ssd_impl: 'fast' is not one of"):
             experiment.run(config)
         assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") == expected
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "unset")
 
 
 def test_experiment_config_argument_is_checked():

@@ -365,7 +365,10 @@ def test_generator_options_that_contradict_the_model_are_rejected(generator, opt
 
 def test_generator_options_take_dtypes_and_numpy_ints_as_well_as_names(generator):
     same = dict(dtype=jnp.float32, weight_dtype=np.dtype("float32"), prefill_chunk=np.int64(256))
-    assert Generator(model=generator.model, tokenizer=generator.tokenizer, **same).prefill_chunk == 256
+    given = Generator(model=generator.model, tokenizer=generator.tokenizer, **same, max_cache_len=np.int64(64))
+    assert given.prefill_chunk == 256 and type(given.prefill_chunk) is int and type(given.max_cache_len) is int
+    given.generate(PROMPTS[0], SamplingConfig(max_new_tokens=2))
+    json.dumps(given.last_timing.as_dict())  # numpy ints would not serialise
     with pytest.raises(GenerationError, match="dtype='bfloat16', but the model given computes in float32"):
         Generator(model=generator.model, dtype=jnp.bfloat16)
 

@@ -7,8 +7,6 @@ Generator's prefill and decode steps lower for CUDA with no CPU kernel left in t
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +15,7 @@ from flax import nnx
 
 import pallas_kernels
 from granite_jax.config import ModelConfig
-from granite_jax.generate import SamplingConfig, _decode_step, _prefill_segment, _split
+from granite_jax.generate import SamplingConfig, abstract_steps
 from granite_jax.model import Cache, Granite, with_ssd_impl
 from granite_jax.presets import released_config
 
@@ -77,17 +75,18 @@ def test_pallas_model_equals_xla():
 
 
 def _generation_steps(cfg, dtype, weight_dtype, prompt_len: int, cache_len: int) -> dict:
-    """name -> (fn, args): the Generator's prefill and decode steps at batch 1, model and arguments abstract."""
-    model = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=weight_dtype, rngs=nnx.Rngs(0)))
-    graphdef, treedef, weights = _split(model)
-    S = jax.ShapeDtypeStruct
-    cache = jax.eval_shape(lambda: Cache.init(cfg, 1, cache_len, dtype))
-    params = jax.eval_shape(lambda: SamplingConfig(temperature=0.7, top_k=5).device_params())
-    steps = (("prefill", _prefill_segment, S((1, prompt_len), jnp.int32)), ("decode", _decode_step, S((1,), jnp.int32)))
-    return {
-        name: (functools.partial(fn, graphdef, treedef), (weights, cache, tokens, params, S((), jnp.int32)))
-        for name, fn, tokens in steps
-    }
+    """name -> (fn, args): the Generator's prefill and decode steps at batch 1, sampling on, model and arguments
+    abstract."""
+    sampling = SamplingConfig(temperature=0.7, top_k=5)
+    return abstract_steps(
+        cfg,
+        batch=1,
+        prompt_len=prompt_len,
+        cache_len=cache_len,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        sampling=sampling,
+    )
 
 
 @pytest.mark.parametrize(
@@ -122,3 +121,18 @@ def test_generation_steps_compile_for_h200(dtype, h200_target):
     with pallas_kernels.cuda_lowering():
         for fn, args in _generation_steps(cfg, dtype, jnp.bfloat16, prompt_len=4096, cache_len=8192).values():
             aot.compile_for_gpu(fn, *args)
+
+
+@pytest.mark.aot
+def test_thunk_counts_count_what_the_program_holds(h200_target):
+    # Known answers: one loop whose condition and body each hold kernels, and no conditional or copy.
+    from jax import lax
+
+    from pallas_kernels import aot
+
+    def count_up(x):
+        return lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1.0, c[1] * 0.5), (0.0, x))[0]
+
+    counts = aot.thunk_counts(count_up, jax.ShapeDtypeStruct((1024,), jnp.float32))
+    assert counts["kWhile"] == 1 and counts["kCustomKernel"] >= 2, counts
+    assert "kConditional" not in counts, counts
