@@ -10,9 +10,11 @@ granite-jax through `Generator.measure` (greedy, EOS ignored, compilation exclud
 with per-token timestamps. The same measurement as `python -m granite_jax.compare` and the throughput experiment;
 this script adds the table and the JSON. Prefill tokens/s = batch * prompt_len / time to first token; decode
 tokens/s = batch * (new_tokens - 1) / time for the remaining tokens. The floor is parameter bytes / bandwidth: one
-decode step reads every weight once. That bandwidth is a burst (the best single read of many); with batch 1, the
-script also runs --floor-pairs batch-1 generations each followed by a sustained read of the bytes its decode read
-(`paired_floor`), and prints each pair's ratio and the median.
+decode step reads every weight once. That bandwidth is a burst (the best single read of many). A shared host's
+bandwidth moves between levels for seconds at a time, so with batch 1 the script also runs --floor-pairs batch-1
+generations, each between two sustained reads of the bytes its decode read (`paired_floor`): the floor of the moment
+it ran. It prints each pair's ratio, and the median and lowest over the steady pairs (reads within 10%); --plot draws
+the pairs over time.
 """
 
 from __future__ import annotations
@@ -61,13 +63,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--floor-pairs",
         type=int,
         default=5,
-        help="with batch 1: batch-1 runs each followed by a sustained read of the bytes its decode read; the median "
-        "ratio is printed beside the burst floor (0: none)",
+        help="with batch 1: batch-1 runs each between two sustained reads of the bytes its decode read; the median "
+        "and lowest ratio over the steady pairs are printed beside the burst floor (0: none)",
     )
     p.add_argument(
         "--probe-mib", type=int, default=1024, help="size of each memory-bandwidth probe's buffer, in MiB (the floor)"
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH ('-': stdout)")
+    p.add_argument(
+        "--plot", metavar="PATH", default=None, help="with --floor-pairs: draw the pairs over time into this PNG"
+    )
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error(f"need --new-tokens >= 2 (the first token is prefill's; decode times the rest), got {args.new_tokens}")
@@ -77,8 +82,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--layers applies to random weights (--shape) only")
     if args.probe_mib < 1:
         p.error(f"--probe-mib must be >= 1, got {args.probe_mib}")
-    if (problem := output_file_problem("--json", args.json)) is not None:
-        p.error(problem)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if (problem := output_file_problem(flag, path)) is not None:
+            p.error(problem)
+    if args.plot and not (args.floor_pairs and 1 in args.batch_sizes):
+        p.error("--plot draws the batch-1 floor pairs: it needs batch 1 in --batch-sizes and --floor-pairs >= 1")
+    if args.plot == "-":
+        p.error("--plot needs a file name")
     return args
 
 
@@ -161,13 +171,25 @@ def main(argv=None) -> int:
     )
     if "paired" in floor:
         p = floor["paired"]
-        header += "\nbatch-1 decode vs a sustained read of the same bytes right after it: " + ", ".join(
-            f"{d:.2f} / {f:.2f} tok/s = {r:.0%}"
-            for d, f, r in zip(p["decode_tok_s"], p["sustained_floor_tok_s"], p["decode_vs_sustained_floors"])
+        header += "\nbatch-1 decode vs the floor of two sustained reads of the same bytes around it: " + ", ".join(
+            f"{d:.2f} / {f:.2f} tok/s = {r:.0%}{'' if ok else ' (bandwidth moved)'}"
+            for d, f, r, ok in zip(
+                p["decode_tok_s"], p["sustained_floor_tok_s"], p["decode_vs_sustained_floors"], p["steady"], strict=True
+            )
         )
-        header += f"; median {p['decode_vs_sustained_floor']:.0%}"
+        if p["steady_pairs"]:
+            header += (
+                f"; over the {p['steady_pairs']} steady pairs: median {p['decode_vs_sustained_floor']:.0%}, "
+                f"lowest {p['decode_vs_sustained_floor_min']:.0%}"
+            )
+        else:
+            header += "; no steady pair: the host's bandwidth moved during every one"
     print(header)
     print(table(rows, floor_tok_s))
+    if args.plot:
+        from granite_jax.experiments.throughput import plot_pairs
+
+        plot_pairs(floor["paired"], floor["bytes_read_per_token"], max(bandwidth.values()), spec.describe(), args.plot)
     if args.json:
         doc = dict(
             model=spec.describe(),

@@ -20,7 +20,7 @@ ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 FLAGS = {
     "throughput.py": (
         "--shape --layers --checkpoint --prompt-len --new-tokens --batch-sizes --dtype --weight-dtype --repeats "
-        "--skip-transformers --floor-pairs --probe-mib --json"
+        "--skip-transformers --floor-pairs --probe-mib --json --plot"
     ),
     "cpu_kernels.py": "--shape --rows --expert-tokens --dtype --chain-mib --repeats --parts --json",
     "rewrite_ssd.py": (

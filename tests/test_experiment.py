@@ -152,17 +152,63 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
     assert {"xla_matvec_rows", "numpy_matvec"} <= set(summary["bandwidth_gb_s"])
     assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == cpu_kernels.available()
     assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["bytes_read_per_token"])
-    # Batch 1 beside a sustained read of the bytes its own decode read, in pairs: the floor of a pair is its best
-    # decode-pattern probe, the ratio is decode over that floor, and the headline is the median ratio.
+    # Batch 1 between two sustained reads of the bytes its own decode read, in pairs: the floor of a pair is the mean
+    # of each read's best decode-pattern probe, the ratio is decode over that floor; the headline is over steady pairs.
     floors, ratios = summary["paired_sustained_floor_tok_s"], summary["paired_decode_vs_sustained_floors"]
-    assert len(floors) == len(ratios) == len(summary["paired_decode_tok_s"]) == 2
-    for decode, floor, ratio, probes in zip(
-        summary["paired_decode_tok_s"], floors, ratios, summary["paired_sustained_gb_s"]
+    assert len(floors) == len(ratios) == len(summary["paired_decode_tok_s"]) == len(summary["paired_steady"]) == 2
+    for decode, floor, ratio, before, after in zip(
+        summary["paired_decode_tok_s"],
+        floors,
+        ratios,
+        summary["paired_sustained_gb_s_before"],
+        summary["paired_sustained_gb_s_after"],
+        strict=True,
     ):
-        assert set(probes) == {"xla_matvec_rows"} | ({"kernel_matvec"} if cpu_kernels.available() else set())
-        assert floor == pytest.approx(max(probes.values()) * 1e9 / summary["bytes_read_per_token"])
+        for probes in (before, after):
+            assert set(probes) == {"xla_matvec_rows"} | ({"kernel_matvec"} if cpu_kernels.available() else set())
+        mean = (max(before.values()) + max(after.values())) / 2
+        assert floor == pytest.approx(mean * 1e9 / summary["bytes_read_per_token"])
         assert ratio == pytest.approx(decode / floor) and decode > 0
-    assert summary["decode_vs_sustained_floor"] == pytest.approx(sum(ratios) / 2)  # the median of two
+    steady = [r for r, ok in zip(ratios, summary["paired_steady"]) if ok]
+    assert summary["paired_steady_pairs"] == len(steady)
+    if steady:
+        assert summary["decode_vs_sustained_floor_min"] == min(steady)
+    assert open(os.path.join(out, "floor_pairs.png"), "rb").read(8) == PNG
+
+
+def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
+    """A known answer: the host reads 40 GB/s, then moves to 55 in the middle of the second pair, and stays there."""
+
+    class Timing:
+        decode_tokens = 4
+
+        def __init__(self, tok_s):
+            self.decode_tokens_per_s = tok_s
+
+    class Generator:
+        rates = iter([0.0, 35.0, 38.0, 45.0])  # tokens/s of the warm-up and the three pairs
+
+        def measure(self, batch, prompt_len, new_tokens, seed=0):
+            return Timing(next(self.rates))
+
+    reads = iter([40.0, 40.0, 40.0, 55.0, 55.0, 55.0])
+    asked = []
+
+    def sustained(total_bytes, nbytes):
+        asked.append(total_bytes)
+        gb_s = next(reads)
+        return {"xla_matvec_rows": gb_s - 5, "kernel_matvec": gb_s}
+
+    monkeypatch.setattr(throughput, "sustained_bandwidth", sustained)
+    out = throughput.paired_floor(Generator(), read_bytes=10**9, prompt_len=8, new_tokens=5, pairs=3)
+    assert asked == [4 * 10**9] * 6  # each read covers the bytes a run's decode reads
+    assert out["steady"] == [True, False, True] and out["steady_pairs"] == 2
+    assert out["sustained_floor_tok_s"] == pytest.approx([40, 47.5, 55])  # GB/s over 1 GB per token
+    assert out["decode_vs_sustained_floors"] == pytest.approx([35 / 40, 38 / 47.5, 45 / 55])
+    assert out["decode_vs_sustained_floor"] == pytest.approx((35 / 40 + 45 / 55) / 2)  # the steady pairs only
+    assert out["decode_vs_sustained_floor_min"] == pytest.approx(45 / 55)
+    assert out["sustained_gb_s_after"][1] == {"xla_matvec_rows": 50.0, "kernel_matvec": 55.0}
+    assert len(out["seconds"]) == 3 and out["seconds"] == sorted(out["seconds"])
 
 
 THROUGHPUT_SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")
@@ -172,14 +218,18 @@ def test_throughput_script_on_a_checkpoint(tiny_checkpoint, tmp_path):
     out = tmp_path / "throughput.json"
     args = ["--checkpoint", tiny_checkpoint, "--skip-transformers", "--prompt-len", "8", "--new-tokens", "3"]
     args += ["--batch-sizes", "1,2", "--repeats", "1", "--floor-pairs", "2", "--probe-mib", "8", "--json", str(out)]
+    args += ["--plot", str(tmp_path / "pairs.png")]
     proc = subprocess.run([sys.executable, THROUGHPUT_SCRIPT, *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [(r["impl"], r["batch"]) for r in doc["rows"]] == [("granite-jax", 1), ("granite-jax", 2)]
     paired = doc["paired"]
-    assert len(paired["decode_tok_s"]) == 2 and "median" in proc.stdout and "| granite-jax | 1 |" in proc.stdout
-    floors = [max(p.values()) * 1e9 / doc["bytes_read_per_token"] for p in paired["sustained_gb_s"]]
+    assert len(paired["decode_tok_s"]) == 2 and "| granite-jax | 1 |" in proc.stdout
+    assert ("median" in proc.stdout) == (paired["steady_pairs"] > 0)
+    reads = zip(paired["sustained_gb_s_before"], paired["sustained_gb_s_after"], strict=True)
+    floors = [(max(b.values()) + max(a.values())) / 2 * 1e9 / doc["bytes_read_per_token"] for b, a in reads]
     assert paired["sustained_floor_tok_s"] == pytest.approx(floors)
+    assert (tmp_path / "pairs.png").read_bytes()[:8] == PNG
     b1 = doc["rows"][0]["decode_tok_s"]
     best = max(doc["bandwidth_gb_s"].values())
     assert doc["decode_floor_tok_s"] == pytest.approx(best * 1e9 / doc["bytes_read_per_token"])
@@ -190,6 +240,10 @@ def test_throughput_script_refuses_bad_input(tmp_path):
     bad = (
         (["--floor-pairs", "-1"], "--floor-pairs >= 0"),
         (["--probe-mib", "0"], "--probe-mib must be >= 1"),
+        (["--plot", str(tmp_path / "p.png"), "--floor-pairs", "0"], "--plot draws the batch-1 floor pairs"),
+        (["--plot", str(tmp_path / "p.png"), "--batch-sizes", "8"], "--plot draws the batch-1 floor pairs"),
+        (["--plot", "-"], "--plot needs a file name"),
+        (["--plot", str(tmp_path / "no" / "p.png")], "--plot " + str(tmp_path / "no" / "p.png")),
         (["--json", str(tmp_path / "no" / "x.json")], "the directory does not exist"),
         (["--checkpoint", str(tmp_path / "missing"), "--skip-transformers"], "model directory not found"),
     )
