@@ -18,7 +18,8 @@
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
 
 All are XLA FFI custom calls for x86-64 CPUs with AVX2 and FMA, compiled into one library with the system C++
-compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or ``~/.cache/granite_jax``). Without a compiler, on
+compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or ``~/.cache/granite_jax``); on CPUs with AVX-512F
+the panel kernel also uses it (``GRANITE_JAX_CPU_AVX512=0`` declines). Without a compiler, on
 another CPU, or with ``GRANITE_JAX_CPU_KERNELS=0``, every call is XLA's; `unavailable_reason()` says why. They are not
 built where JAX's default backend is not the CPU; where they are, `lax.platform_dependent` still lowers XLA's version
 for any other platform (so a function exported for several platforms carries both, and its CPU branch needs this
@@ -58,6 +59,7 @@ SSM_TARGET = "granite_ssm_update_f32"
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
+AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512F: the panel kernel then takes four panels at once
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +290,8 @@ def describe() -> str:
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32/bfloat16 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
+    if _uses_avx512():
+        products += " (AVX-512)"
     return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update"
 
 
@@ -342,6 +346,15 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _uses_avx512() -> bool:
+    """Whether the library is built with `AVX512_FLAGS`: the CPU has AVX-512F, and GRANITE_JAX_CPU_AVX512 is not 0."""
+    return "avx512f" in _cpu_flags() and os.environ.get("GRANITE_JAX_CPU_AVX512", "1") != "0"
+
+
+def _flags() -> tuple[str, ...]:
+    return FLAGS + AVX512_FLAGS if _uses_avx512() else FLAGS
+
+
 def _compiler() -> str | None:
     return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "c++", "g++", "clang++"))), None)
 
@@ -359,7 +372,8 @@ def _compiled_library() -> Path:
     compiler = _compiler()
     include = jax.ffi.include_dir()
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, str(compiler), jax.__version__, include]).encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256("\0".join([*texts, *flags, str(compiler), jax.__version__, include]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -367,7 +381,7 @@ def _compiled_library() -> Path:
     log.info("granite_jax.cpu_kernels: compiling %s -> %s", _names(), target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then an atomic rename: safe with parallel builds
         built = Path(tmp) / target.name
-        cmd = [compiler, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(built)]
+        cmd = [compiler, *flags, f"-I{include}", *map(str, SOURCES), "-o", str(built)]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         os.replace(built, target)
     return target

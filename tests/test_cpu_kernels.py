@@ -441,6 +441,31 @@ def test_failed_build_falls_back_with_a_reason(tmp_path):
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
+def _describe_in_subprocess(tmp_path, **env) -> str:
+    code = "from granite_jax import cpu_kernels; print(cpu_kernels.describe())"
+    env = {**os.environ, "GRANITE_JAX_CACHE_DIR": str(tmp_path / "cache"), **env}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+
+
+@needs_kernel
+def test_avx512_panels_follow_the_cpu_and_the_environment(tmp_path):
+    has_avx512 = "avx512f" in cpu_kernels._cpu_flags()
+    assert ("(AVX-512)" in _describe_in_subprocess(tmp_path)) == has_avx512
+    assert "(AVX-512)" not in _describe_in_subprocess(tmp_path, GRANITE_JAX_CPU_AVX512="0")
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags(), reason="no AVX-512F: the AVX2 build is the one above")
+def test_avx2_build_matches_float64_on_an_avx512_cpu(tmp_path):
+    # This process runs the AVX-512 build of the panel kernel; the float64 comparisons run again on the AVX2 build.
+    env = {**os.environ, "GRANITE_JAX_CPU_AVX512": "0", "GRANITE_JAX_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
+    proc = subprocess.run(
+        [*cmd, "-k", "test_matches_float64 or test_mixed_dtypes"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-3000:]
+
+
 @needs_kernel
 def test_build_is_cached(tmp_path):
     assert _reason_in_subprocess(tmp_path) == "None"
