@@ -19,7 +19,7 @@ def get_config(arg=None):
     c.measure.repeats = 2
     c.measure.transformers = True  # also time transformers on the same weights (its CPU reference path)
     c.measure.floor_probe_mib = 1024  # bandwidth probe size for the batch-1 decode floor (0: no probe)
-    c.measure.floor_pairs = 5  # batch-1 runs each set beside a sustained read of the same bytes (0: none)
+    c.measure.floor_pairs = 5  # batch-1 runs each between two sustained reads of the same bytes (0: none)
     c.measure.torch_threads = config_dict.placeholder(int)  # torch's intra-op threads (default: torch's own choice)
     if quick(arg):
         c.model.name = "tiny"

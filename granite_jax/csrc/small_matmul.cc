@@ -225,11 +225,15 @@ void panel_group(const float* __restrict xt, const T* __restrict w, float* __res
 #ifdef __AVX512F__
 constexpr int64_t QUAD = 4;  // panels per step of the AVX-512 path: 32 outputs, two 16-lane vectors
 
-// Panels a and b (eight lanes each) as one 16-lane vector.
-template <typename T>
-inline __m512 load16(const T* a, const T* b) {
+// Panels a and b (eight lanes each) as one 16-lane vector; bfloat16 joined first and widened once.
+inline __m512 load16(const float* a, const float* b) {
   const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(load8(a)));
   return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(load8(b)), 1));
+}
+inline __m512 load16(const bf16* a, const bf16* b) {
+  const __m256i low = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  const __m256i both = _mm256_inserti128_si256(low, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
 }
 
 // panel_group for the four panels starting at w (each K x 8): acc holds MB x 32 floats, a row's 32 outputs together.
