@@ -34,8 +34,19 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
 
 
+PARTS = ("products", "state", "experts")
+
+
+def parts(text: str) -> list[str]:
+    """argparse type: a comma-separated subset of PARTS."""
+    chosen = text.split(",")
+    if not set(chosen) <= set(PARTS):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PARTS)}, got {text!r}")
+    return chosen
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    from granite_jax.cli import ArgumentParser, output_file_problem
+    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int, positive_ints
     from granite_jax.presets import RELEASED
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -46,30 +57,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="NAME",
         help=f"weight shapes of this released architecture: {', '.join(sorted(RELEASED))}",
     )
-    p.add_argument("--rows", default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)")
     p.add_argument(
-        "--expert-tokens", default="1,2,4,8,128", help="comma-separated tokens through the experts (decode, prefill)"
+        "--rows", type=positive_ints, default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)"
+    )
+    p.add_argument(
+        "--expert-tokens",
+        type=positive_ints,
+        default="1,2,4,8,128",
+        help="comma-separated tokens through the experts (decode, prefill)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
-    p.add_argument("--chain-mib", type=int, default=192, help="weights read per timed call, MiB (beyond the caches)")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (best kept)")
     p.add_argument(
-        "--parts", default="products,state,experts", help="comma-separated: products, state (update), experts (MoE)"
+        "--chain-mib", type=positive_int, default=192, help="weights read per timed call, MiB (beyond the caches)"
+    )
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed calls per measurement (best kept)")
+    p.add_argument(
+        "--parts",
+        type=parts,
+        default="products,state,experts",
+        help="comma-separated: products, state (update), experts (MoE)",
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
-    args.parts = args.parts.split(",")
-    if not args.parts or not set(args.parts) <= {"products", "state", "experts"}:
-        p.error(f"--parts must be a comma-separated subset of products,state,experts, got {','.join(args.parts)!r}")
-    try:
-        args.rows = [int(r) for r in args.rows.split(",")]
-        args.expert_tokens = [int(t) for t in args.expert_tokens.split(",")]
-    except ValueError:
-        p.error(f"--rows and --expert-tokens must be comma-separated integers: {args.rows!r}, {args.expert_tokens!r}")
-    if not all(1 <= r <= 16 for r in args.rows) or args.chain_mib < 1 or args.repeats < 1:
-        p.error("need 1 <= rows <= 16 (the kernels' range), --chain-mib >= 1 and --repeats >= 1")
-    if not all(t >= 1 for t in args.expert_tokens):
-        p.error(f"--expert-tokens must be positive, got {args.expert_tokens}")
+    if max(args.rows) > 16:
+        p.error(f"argument --rows: the kernels take 1-16 rows, got {max(args.rows)}")
     if (problem := output_file_problem("--json", args.json)) is not None:
         p.error(problem)
     return args

@@ -186,10 +186,6 @@ def main(argv=None) -> int:
             header += "; no steady pair: the host's bandwidth moved during every one"
     print(header)
     print(table(rows, floor_tok_s))
-    if args.plot:
-        from granite_jax.experiments.throughput import plot_pairs
-
-        plot_pairs(floor["paired"], floor["bytes_read_per_token"], max(bandwidth.values()), spec.describe(), args.plot)
     if args.json:
         doc = dict(
             model=spec.describe(),
@@ -204,6 +200,10 @@ def main(argv=None) -> int:
         else:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
+    if args.plot:
+        from granite_jax.experiments.throughput import plot_pairs
+
+        plot_pairs(floor["paired"], floor["bytes_read_per_token"], max(bandwidth.values()), spec.describe(), args.plot)
     return 0
 
 

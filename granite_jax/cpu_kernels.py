@@ -290,12 +290,18 @@ def describe() -> str:
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32/bfloat16 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
-    if _uses_avx512():
+    if panels_use_avx512():
         products += " (AVX-512)"
     return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update"
 
 
+def panels_use_avx512() -> bool:
+    """Whether the loaded library's panel kernel takes its AVX-512 path (False where the kernels are not used)."""
+    return _load() is None and bool(_LIBRARY[0].granite_panels_avx512())
+
+
 _LOCK = threading.Lock()
+_LIBRARY: list[ctypes.CDLL] = []  # the loaded library, once built
 
 
 def _load() -> str | None:
@@ -310,9 +316,17 @@ def _build_and_register() -> str | None:
         log.info("granite_jax.cpu_kernels: using XLA (%s)", reason)
         return reason
     try:
-        library = ctypes.CDLL(str(_compiled_library()))
+        try:
+            library = ctypes.CDLL(str(_compiled_library(_flags())))
+        except subprocess.CalledProcessError as e:  # a compiler without AVX-512: the AVX2 build
+            if _flags() == FLAGS:
+                raise
+            detail = (e.stderr or "").strip().splitlines()[-1:]
+            log.warning("granite_jax.cpu_kernels: the AVX-512 build failed (%s); building for AVX2", *detail or ["?"])
+            library = ctypes.CDLL(str(_compiled_library(FLAGS)))
         for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, SSM_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
+        _LIBRARY.append(library)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
         reason = f"could not build or load {_names()}: {detail[-1] if detail else type(e).__name__}"
@@ -367,12 +381,11 @@ def _names() -> str:
     return " + ".join(source.name for source in SOURCES)
 
 
-def _compiled_library() -> Path:
+def _compiled_library(flags: tuple[str, ...]) -> Path:
     """The kernels' shared library, compiled once per (sources, flags, compiler, jaxlib) and reused."""
     compiler = _compiler()
     include = jax.ffi.include_dir()
     texts = [source.read_text() for source in (*SOURCES, *HEADERS)]
-    flags = _flags()
     key = hashlib.sha256("\0".join([*texts, *flags, str(compiler), jax.__version__, include]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():

@@ -48,7 +48,7 @@ BAD = [
     ("throughput.py", ["--new-tokens", "1"], "need --new-tokens >= 2"),
     ("throughput.py", ["--json", "{dir}"], "is a directory"),
     ("cpu_kernels.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
-    ("cpu_kernels.py", ["--repeats", "0"], "--repeats >= 1"),
+    ("cpu_kernels.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("cpu_kernels.py", ["--json", "{dir}"], "is a directory"),
     ("rewrite_ssd.py", ["--heads", "0"], "argument --heads: must be >= 1, got 0"),
     ("rewrite_ssd.py", ["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),

@@ -80,6 +80,8 @@ def test_pack_is_panels_of_eight_rows(n, k):
         ((16,), 100, 2),
         ((7, 2), 9, 50),
         ((8,), 96, 1000),
+        ((12,), 300, 301),  # two groups of rows over several blocks of K
+        ((16,), 768, 100),
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -441,17 +443,35 @@ def test_failed_build_falls_back_with_a_reason(tmp_path):
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
-def _describe_in_subprocess(tmp_path, **env) -> str:
-    code = "from granite_jax import cpu_kernels; print(cpu_kernels.describe())"
+def _panels_in_subprocess(tmp_path, **env) -> tuple[str, str, str]:
+    """(unavailable_reason, panels_use_avx512 as the built library reports it, describe) in a fresh process."""
+    code = (
+        "from granite_jax import cpu_kernels as c; print(c.unavailable_reason(), c.panels_use_avx512(), c.describe())"
+    )
     env = {**os.environ, "GRANITE_JAX_CACHE_DIR": str(tmp_path / "cache"), **env}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    reason, avx512, description = out.strip().split(" ", 2)
+    return reason, avx512, description
 
 
 @needs_kernel
 def test_avx512_panels_follow_the_cpu_and_the_environment(tmp_path):
     has_avx512 = "avx512f" in cpu_kernels._cpu_flags()
-    assert ("(AVX-512)" in _describe_in_subprocess(tmp_path)) == has_avx512
-    assert "(AVX-512)" not in _describe_in_subprocess(tmp_path, GRANITE_JAX_CPU_AVX512="0")
+    reason, avx512, description = _panels_in_subprocess(tmp_path)
+    assert reason == "None" and avx512 == str(has_avx512) and ("(AVX-512)" in description) == has_avx512
+    assert _panels_in_subprocess(tmp_path, GRANITE_JAX_CPU_AVX512="0")[:2] == ("None", "False")
+
+
+@needs_kernel
+@pytest.mark.skipif("avx512f" not in cpu_kernels._cpu_flags(), reason="no AVX-512F: no AVX-512 build is tried")
+def test_a_compiler_without_avx512_gets_the_avx2_build(tmp_path):
+    compiler = tmp_path / "cxx"
+    real = cpu_kernels._compiler()
+    compiler.write_text(
+        f'#!/bin/sh\ncase "$*" in *-mavx512f*) echo "no AVX-512 here" >&2; exit 1;; esac\nexec {real} "$@"\n'
+    )
+    compiler.chmod(0o755)
+    assert _panels_in_subprocess(tmp_path, CXX=str(compiler))[:2] == ("None", "False")
 
 
 @needs_kernel
@@ -520,11 +540,12 @@ def test_benchmark_script_times_expert_products(tmp_path):
 def test_benchmark_script_refuses_bad_arguments(tmp_path):
     no_dir = str(tmp_path / "no" / "x.json")
     bad = (
-        (["--rows", "2,x"], "--rows"),
-        (["--rows", "17"], "rows <= 16"),
+        (["--rows", "2,x"], "argument --rows: expected comma-separated positive integers, got '2,x'"),
+        (["--rows", "17"], "argument --rows: the kernels take 1-16 rows, got 17"),
         (["--json", no_dir], "--json"),
-        (["--parts", "products,gpu"], "--parts must be"),
-        (["--expert-tokens", "0"], "--expert-tokens must be positive"),
+        (["--parts", "products,gpu"], "argument --parts: expected a comma-separated subset of products,state,experts"),
+        (["--expert-tokens", "0"], "argument --expert-tokens: every value must be >= 1"),
+        (["--chain-mib", "0"], "argument --chain-mib: must be >= 1, got 0"),
         (["--dtype", "float16"], "--dtype"),
     )
     for args, message in bad:

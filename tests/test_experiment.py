@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -108,6 +109,7 @@ def test_scaling_quick_run(tmp_path):
         assert 0 < row["attention_share"] < 1
     assert set(results["summary"]) >= {"prefill_time_exponent", "mamba_time_exponent", "attention_share_longest"}
     assert results["environment"]["jax"] and results["config"]["workload"]["seq_lens"] == [16, 32]
+    assert isinstance(results["environment"]["cpu_model"], str)  # what the timings ran on
     assert "| seq_len | prefill_s |" in markdown
     assert open(os.path.join(out, "scaling.png"), "rb").read(8) == PNG
 
@@ -171,8 +173,8 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
         assert ratio == pytest.approx(decode / floor) and decode > 0
     steady = [r for r, ok in zip(ratios, summary["paired_steady"]) if ok]
     assert summary["paired_steady_pairs"] == len(steady)
-    if steady:
-        assert summary["decode_vs_sustained_floor_min"] == min(steady)
+    assert summary["decode_vs_sustained_floor"] == (pytest.approx(statistics.median(steady)) if steady else None)
+    assert summary["decode_vs_sustained_floor_min"] == (min(steady) if steady else None)
     assert open(os.path.join(out, "floor_pairs.png"), "rb").read(8) == PNG
 
 
@@ -209,6 +211,24 @@ def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
     assert out["decode_vs_sustained_floor_min"] == pytest.approx(45 / 55)
     assert out["sustained_gb_s_after"][1] == {"xla_matvec_rows": 50.0, "kernel_matvec": 55.0}
     assert len(out["seconds"]) == 3 and out["seconds"] == sorted(out["seconds"])
+
+
+def test_paired_floor_without_a_steady_pair_has_no_headline(monkeypatch, tmp_path):
+    class Timing:
+        decode_tokens, decode_tokens_per_s = 2, 30.0
+
+    class Generator:
+        def measure(self, *args, **kwargs):
+            return Timing()
+
+    reads = iter([36.0, 54.0, 54.0, 36.0])  # the host's level moved during both pairs
+    monkeypatch.setattr(throughput, "sustained_bandwidth", lambda total, nbytes: {"kernel_matvec": next(reads)})
+    out = throughput.paired_floor(Generator(), read_bytes=10**9, prompt_len=8, new_tokens=3, pairs=2)
+    assert out["steady"] == [False, False] and out["steady_pairs"] == 0
+    assert out["decode_vs_sustained_floor"] is None and out["decode_vs_sustained_floor_min"] is None
+    assert out["decode_vs_sustained_floors"] == pytest.approx([30 / 45, 30 / 45])
+    throughput.plot_pairs(out, 10**9, 54.0, "a test", str(tmp_path / "pairs.png"))  # hollow points only
+    assert (tmp_path / "pairs.png").read_bytes()[:8] == PNG
 
 
 THROUGHPUT_SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")

@@ -27,9 +27,10 @@
 // FMAs into eight accumulators of eight outputs each, no horizontal sums. On this repository's 2-core test VM this
 // streams W 1.2-1.6x faster than a kernel on the (N, K) layout that tiles three rows of W against four of x. The
 // panels are cut into chunks that the calling thread and XLA's intra-op thread pool share (parallel.h). Where the
-// library is built for AVX-512 (cpu_kernels.py does so on CPUs that have it), four panels are taken at once, as two
-// 16-lane vectors: per k two broadcasts fewer per panel and half the instructions, which at eight rows, where the
-// panel kernel is bound by arithmetic, read W 1.1-1.3x faster on the 2-core AMD EPYC (Zen 4) test VM.
+// library is built for AVX-512 (cpu_kernels.py does so on CPUs that have it), four panels of float32 weights are
+// taken at once, as two 16-lane vectors: a quarter of the broadcasts per panel and half the instructions, which at
+// eight rows, where the panel kernel is bound by arithmetic, read W 1.1-1.3x faster on the 2-core AMD EPYC (Zen 4)
+// test VM.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -225,22 +226,17 @@ void panel_group(const float* __restrict xt, const T* __restrict w, float* __res
 #ifdef __AVX512F__
 constexpr int64_t QUAD = 4;  // panels per step of the AVX-512 path: 32 outputs, two 16-lane vectors
 
-// Panels a and b (eight lanes each) as one 16-lane vector; bfloat16 joined first and widened once.
+// Panels a and b (eight lanes each) as one 16-lane vector.
 inline __m512 load16(const float* a, const float* b) {
   const __m512d low = _mm512_castpd256_pd512(_mm256_castps_pd(load8(a)));
   return _mm512_castpd_ps(_mm512_insertf64x4(low, _mm256_castps_pd(load8(b)), 1));
 }
-inline __m512 load16(const bf16* a, const bf16* b) {
-  const __m256i low = _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
-  const __m256i both = _mm256_inserti128_si256(low, _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-}
 
 // panel_group for the four panels starting at w (each K x 8): acc holds MB x 32 floats, a row's 32 outputs together.
-template <int MB, typename T>
-void quad_group(const float* __restrict xt, const T* __restrict w, int64_t K, float* __restrict acc_io, int64_t k0,
+template <int MB>
+void quad_group(const float* __restrict xt, const float* __restrict w, int64_t K, float* __restrict acc_io, int64_t k0,
                 int64_t k1, bool first, bool prefetch) {
-  const T* p[QUAD] = {w, w + K * LANES, w + 2 * K * LANES, w + 3 * K * LANES};
+  const float* p[QUAD] = {w, w + K * LANES, w + 2 * K * LANES, w + 3 * K * LANES};
   __m512 lo[MB], hi[MB];
   for (int i = 0; i < MB; ++i) {
     lo[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_io + i * QUAD * LANES);
@@ -272,8 +268,7 @@ void quad_group(const float* __restrict xt, const T* __restrict w, int64_t K, fl
   }
 }
 
-template <typename T>
-void quad(int64_t rows, const float* xt, const T* w, int64_t K, float* acc, int64_t k0, int64_t k1, bool first,
+void quad(int64_t rows, const float* xt, const float* w, int64_t K, float* acc, int64_t k0, int64_t k1, bool first,
           bool prefetch) {
   switch (rows) {
     case 8: quad_group<8>(xt, w, K, acc, k0, k1, first, prefetch); break;
@@ -286,6 +281,31 @@ void quad(int64_t rows, const float* xt, const T* w, int64_t K, float* acc, int6
     default: quad_group<1>(xt, w, K, acc, k0, k1, first, prefetch); break;
   }
 }
+
+// Panels [p0, p1) of float32 weights four at a time, as far as whole quads go, into y; returns the first panel left.
+int64_t quads(const float* xt, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1,
+              float* acc) {
+  const int64_t block = M > LANES ? K_BLOCK / 2 : K;  // four panels' block: 16 KB, in L1
+  int64_t p = p0;
+  for (; p + QUAD <= p1; p += QUAD) {
+    const float* panel = w + p * K * LANES;
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+      const int64_t k1 = std::min(K, k0 + block);
+      for (int64_t m = 0; m < M; m += LANES) {
+        quad(std::min<int64_t>(LANES, M - m), xt + m * K, panel, K, acc + m * QUAD * LANES, k0, k1, k0 == 0, m == 0);
+      }
+    }
+    const int64_t cols = std::min<int64_t>(QUAD * LANES, N - p * LANES);
+    for (int64_t m = 0; m < M; ++m) {
+      std::copy(acc + m * QUAD * LANES, acc + m * QUAD * LANES + cols, y + m * N + p * LANES);
+    }
+  }
+  return p;
+}
+
+// bfloat16 weights stay one panel at a time: there the widening shares the FMAs' pipes, and four panels at once were
+// no faster in the products and slower in batch-8 decode (0.77-0.99x, h-350m on bfloat16 weights).
+int64_t quads(const float*, const bf16*, float*, int64_t, int64_t, int64_t, int64_t p0, int64_t, float*) { return p0; }
 #endif
 
 template <typename T>
@@ -311,20 +331,7 @@ void panels(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t
   const int64_t block = M > LANES ? K_BLOCK : K;
   int64_t p = p0;
 #ifdef __AVX512F__
-  const int64_t quad_block = M > LANES ? K_BLOCK / 2 : K;  // four panels' block: 16 KB, in L1
-  for (; p + QUAD <= p1; p += QUAD) {
-    const T* panel = w + p * K * LANES;
-    for (int64_t k0 = 0; k0 < K; k0 += quad_block) {
-      const int64_t k1 = std::min(K, k0 + quad_block);
-      for (int64_t m = 0; m < M; m += LANES) {
-        quad(std::min<int64_t>(LANES, M - m), xt + m * K, panel, K, acc + m * QUAD * LANES, k0, k1, k0 == 0, m == 0);
-      }
-    }
-    const int64_t cols = std::min<int64_t>(QUAD * LANES, N - p * LANES);
-    for (int64_t m = 0; m < M; ++m) {
-      std::copy(acc + m * QUAD * LANES, acc + m * QUAD * LANES + cols, y + m * N + p * LANES);
-    }
-  }
+  p = quads(xt, w, y, M, K, N, p0, p1, acc);
 #endif
   for (; p < p1; ++p) {
     const T* panel = w + p * K * LANES;
@@ -377,7 +384,10 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
   }
 
   const float* xts = xt.data();
-  const int64_t chunk = (granite::chunk_length(pool, P, 8, 2) + 3) / 4 * 4;  // whole quads of panels (AVX-512)
+  int64_t chunk = granite::chunk_length(pool, P, 8, 2);
+#ifdef __AVX512F__
+  chunk = (chunk + QUAD - 1) / QUAD * QUAD;  // whole quads of panels
+#endif
   return with_weights(w, "small_matmul", [&](const auto* ws) {
     granite::parallel_chunks(pool, (P + chunk - 1) / chunk, [=](int64_t c) {
       panels(xts, ws, out, M, K, N, c * chunk, std::min(P, (c + 1) * chunk));
@@ -498,6 +508,15 @@ ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer 
 }
 
 }  // namespace
+
+// Whether this build takes the AVX-512 path of the panel kernel (for cpu_kernels.describe and its test).
+extern "C" int granite_panels_avx512() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_widen, Widen,
                               ffi::Ffi::Bind()

@@ -204,11 +204,24 @@ def environment() -> dict[str, Any]:
         device=getattr(device, "device_kind", str(device)),
         device_count=jax.device_count(),
         cpu_count=os.cpu_count(),
+        cpu_model=cpu_model(),
         python=platform.python_version(),
         platform=platform.platform(),
         load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
         cpu_kernels=cpu_kernels.describe(),
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere `platform.processor()`)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 # ---------------------------------------------------------------------------------------------- output
