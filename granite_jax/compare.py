@@ -536,7 +536,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="random weights of an architecture: a released name (granite-4.0-h-350m, h-tiny, ...), 'tiny', "
         "or a configs/models/*.py file",
     )
-    p.add_argument("--num-layers", type=int, help="with --config: this many layers, same share of attention layers")
+    p.add_argument(
+        "--num-layers", type=cli.positive_int, help="with --config: this many layers, same share of attention layers"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default 0)")
     p.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="both models' dtype (default: float32)"
@@ -548,12 +550,23 @@ def build_parser() -> argparse.ArgumentParser:
         "weights as stored, half the memory; transformers still runs in --dtype",
     )
     p.add_argument("--ssd-impl", default="xla", choices=("xla", "naive", "pallas"), help="granite-jax SSD (xla)")
-    p.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes for the speed rows (1,8)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per row for the speed rows (512)")
+    p.add_argument(
+        "--batch-sizes",
+        type=cli.positive_ints,
+        default="1,8",
+        help="comma-separated batch sizes for the speed rows (1,8)",
+    )
+    p.add_argument(
+        "--prompt-len", type=cli.positive_int, default=512, help="prompt tokens per row for the speed rows (512)"
+    )
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per row for the speed rows (32)")
-    p.add_argument("--repeats", type=int, default=2, help="timed runs per measurement, best kept (2)")
-    p.add_argument("--error-len", type=int, default=320, help="prompt length of the per-layer error check (320)")
-    p.add_argument("--agreement-tokens", type=int, default=32, help="greedy tokens per prompt compared (32)")
+    p.add_argument("--repeats", type=cli.positive_int, default=2, help="timed runs per measurement, best kept (2)")
+    p.add_argument(
+        "--error-len", type=cli.positive_int, default=320, help="prompt length of the per-layer error check (320)"
+    )
+    p.add_argument(
+        "--agreement-tokens", type=cli.positive_int, default=32, help="greedy tokens per prompt compared (32)"
+    )
     p.add_argument("--no-speed", action="store_true", help="skip the speed rows (errors and agreement only)")
     p.add_argument("--out", metavar="DIR", help="where to write compare.json and compare.png (runs/compare-...)")
     p.add_argument(
@@ -574,28 +587,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def options_from_args(args: argparse.Namespace) -> Options:
-    try:
-        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
-    except ValueError:
-        raise ExperimentError(
-            f"--batch-sizes: {args.batch_sizes!r} is not a comma-separated list of integers"
-        ) from None
-    for name, value in (
-        ("--batch-sizes", min(batch_sizes, default=0)),
-        ("--prompt-len", args.prompt_len),
-        ("--new-tokens", args.new_tokens - 1),
-        ("--repeats", args.repeats),
-        ("--error-len", args.error_len),
-        ("--agreement-tokens", args.agreement_tokens),
-    ):
-        if value < 1:
-            raise ExperimentError(f"{name}: must be {'>= 2' if name == '--new-tokens' else 'positive'}")
+    if args.new_tokens < 2:
+        raise ExperimentError(f"--new-tokens: must be >= 2 (the first token is prefill's), got {args.new_tokens}")
     if args.seed < 0:
         raise ExperimentError(f"--seed: must be >= 0, got {args.seed}")
     return Options(
         error_len=args.error_len,
         agreement_tokens=args.agreement_tokens,
-        batch_sizes=batch_sizes,
+        batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
         repeats=args.repeats,

@@ -142,6 +142,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         (["--config", os.path.join(ROOT, "configs/models/tiny.py:bad")], "get_config(bad) failed: configs/models/tiny"),
         (["--config", os.path.join(ROOT, "configs/experiments/parity.py")], "parity.py: not a model config"),
         (["--config", "tiny", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+        (["--config", "tiny", "--new-tokens", "1"], "--new-tokens: must be >= 2"),
     ]
     if jax.default_backend() != "gpu":
         bad_inputs.append((["--config", "tiny", "--ssd-impl", "pallas"], "ssd_impl='pallas' needs an NVIDIA GPU"))
@@ -153,6 +154,16 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert compare.main([*args, "--no-speed", "--quiet"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+    bad_flags = [  # refused by the argument parser, with usage
+        (["--batch-sizes", "1,x"], "argument --batch-sizes: expected comma-separated positive integers, got '1,x'"),
+        (["--batch-sizes", "0"], "argument --batch-sizes: every value must be >= 1"),
+        (["--prompt-len", "0"], "argument --prompt-len: must be >= 1, got 0"),
+        (["--num-layers", "0"], "argument --num-layers: must be >= 1, got 0"),
+    ]
+    for args, message in bad_flags:
+        with pytest.raises(SystemExit) as exit_info:
+            compare.main(["--config", "tiny", *args, "--quiet"])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_leading_agreement_counts_tokens_before_the_first_difference():
