@@ -14,6 +14,7 @@ memory size and bandwidth, not in anything the kernels' compilation depends on.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import re
@@ -175,10 +176,7 @@ def thunk_counts(fn, *args, donate_argnums: tuple[int, ...] = (), gpu: str = "h2
     """
     with tempfile.TemporaryDirectory() as dump:
         thunks = _compile_with_dump(_lowered(fn, args, gpu, donate_argnums), dump)
-    counts: dict[str, int] = {}
-    for kind in re.findall(r"^\s*\d+: (k\w+)", thunks, flags=re.MULTILINE):
-        counts[kind] = counts.get(kind, 0) + 1
-    return counts
+    return dict(collections.Counter(re.findall(r"^\s*\d+: (k\w+)", thunks, flags=re.MULTILINE)))
 
 
 def _compile_with_dump(lowered, dump: str) -> str:

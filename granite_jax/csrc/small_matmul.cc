@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -282,30 +283,6 @@ void quad(int64_t rows, const float* xt, const float* w, int64_t K, float* acc, 
   }
 }
 
-// Panels [p0, p1) of float32 weights four at a time, as far as whole quads go, into y; returns the first panel left.
-int64_t quads(const float* xt, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1,
-              float* acc) {
-  const int64_t block = M > LANES ? K_BLOCK / 2 : K;  // four panels' block: 16 KB, in L1
-  int64_t p = p0;
-  for (; p + QUAD <= p1; p += QUAD) {
-    const float* panel = w + p * K * LANES;
-    for (int64_t k0 = 0; k0 < K; k0 += block) {
-      const int64_t k1 = std::min(K, k0 + block);
-      for (int64_t m = 0; m < M; m += LANES) {
-        quad(std::min<int64_t>(LANES, M - m), xt + m * K, panel, K, acc + m * QUAD * LANES, k0, k1, k0 == 0, m == 0);
-      }
-    }
-    const int64_t cols = std::min<int64_t>(QUAD * LANES, N - p * LANES);
-    for (int64_t m = 0; m < M; ++m) {
-      std::copy(acc + m * QUAD * LANES, acc + m * QUAD * LANES + cols, y + m * N + p * LANES);
-    }
-  }
-  return p;
-}
-
-// bfloat16 weights stay one panel at a time: there the widening shares the FMAs' pipes, and four panels at once were
-// no faster in the products and slower in batch-8 decode (0.77-0.99x, h-350m on bfloat16 weights).
-int64_t quads(const float*, const bf16*, float*, int64_t, int64_t, int64_t, int64_t p0, int64_t, float*) { return p0; }
 #endif
 
 template <typename T>
@@ -322,28 +299,46 @@ void group(int64_t rows, const float* xt, const T* w, float* acc, int64_t k0, in
   }
 }
 
-// Panels [p0, p1) against every row of x (M <= MAX_ROWS rows, transposed in groups of eight: xt (G, K, 8)). With
-// more than one group, K is walked in blocks of K_BLOCK so that every group finds the block of the panel in L1;
-// only the first group prefetches.
-template <typename T>
-void panels(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
-  alignas(64) float acc[MAX_ROWS * 4 * LANES];
-  const int64_t block = M > LANES ? K_BLOCK : K;
+// Panels [p0, p1) against every row of x (M <= MAX_ROWS rows, transposed in groups of eight: xt (G, K, 8)), WIDTH
+// panels at a time as far as whole steps go, through run(rows, xt, panel, acc, k0, k1, first, prefetch) (the group
+// kernel of that width); returns the first panel left. With more than one group, K is walked in blocks of k_block so
+// that every group finds the block of the panels in L1; only the first group prefetches.
+template <int64_t WIDTH, typename T, typename Run>
+int64_t panel_steps(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                    int64_t k_block, float* acc, Run run) {
+  const int64_t block = M > LANES ? k_block : K;
   int64_t p = p0;
-#ifdef __AVX512F__
-  p = quads(xt, w, y, M, K, N, p0, p1, acc);
-#endif
-  for (; p < p1; ++p) {
+  for (; p + WIDTH <= p1; p += WIDTH) {
     const T* panel = w + p * K * LANES;
     for (int64_t k0 = 0; k0 < K; k0 += block) {
       const int64_t k1 = std::min(K, k0 + block);
       for (int64_t m = 0; m < M; m += LANES) {
-        group(std::min<int64_t>(LANES, M - m), xt + m * K, panel, acc + m * LANES, k0, k1, k0 == 0, m == 0);
+        run(std::min<int64_t>(LANES, M - m), xt + m * K, panel, acc + m * WIDTH * LANES, k0, k1, k0 == 0, m == 0);
       }
     }
-    const int64_t cols = std::min<int64_t>(LANES, N - p * LANES);
-    for (int64_t m = 0; m < M; ++m) std::copy(acc + m * LANES, acc + m * LANES + cols, y + m * N + p * LANES);
+    const int64_t cols = std::min<int64_t>(WIDTH * LANES, N - p * LANES);
+    for (int64_t m = 0; m < M; ++m) {
+      std::copy(acc + m * WIDTH * LANES, acc + m * WIDTH * LANES + cols, y + m * N + p * LANES);
+    }
   }
+  return p;
+}
+
+// All of panels [p0, p1). Where the library is built for AVX-512, float32 weights go four panels at a time first;
+// bfloat16 ones stay one at a time: there the widening shares the FMAs' pipes, and four at once were no faster in
+// the products and slower in batch-8 decode (0.77-0.99x, h-350m on bfloat16 weights).
+template <typename T>
+void panels(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+  alignas(64) float acc[MAX_ROWS * 4 * LANES];
+  int64_t p = p0;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    auto four = [K](int64_t rows, const float* x, const float* panel, float* a, int64_t k0, int64_t k1, bool first,
+                    bool prefetch) { quad(rows, x, panel, K, a, k0, k1, first, prefetch); };
+    p = panel_steps<QUAD>(xt, w, y, M, K, N, p, p1, K_BLOCK / 2, acc, four);  // four panels' block: 16 KB
+  }
+#endif
+  panel_steps<1>(xt, w, y, M, K, N, p, p1, K_BLOCK, acc, group<T>);
 }
 
 // Calls body(ws) with W's data typed (float32 or bfloat16); other dtypes are an error naming the kernel.

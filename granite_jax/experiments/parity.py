@@ -11,13 +11,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from granite_jax import compare
-from granite_jax.experiments.common import (
-    Result,
-    matplotlib_pyplot,
-    model_spec,
-    model_summary,
-    random_tokens,
-)
+from granite_jax.experiments.common import Result, matplotlib_pyplot, model_spec, model_summary, random_tokens
 
 
 def run(config) -> Result:

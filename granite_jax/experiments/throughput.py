@@ -100,8 +100,9 @@ def run(config) -> Result:
             "in `bandwidth_gb_s` (summary), measured in the same run: the best single 1 GiB read (burst).",
             "decode_vs_sustained_floor (summary, with batch 1): over measure.floor_pairs pairs, each a batch-1 run "
             "between two sustained reads of the bytes its decode read (the decode-pattern probes), the median of "
-            "decode / floor over the steady pairs, those whose two reads agree within 10% (the floor: their mean); "
-            "decode_vs_sustained_floor_min: the lowest; paired_*: each pair; floor_pairs.png: the pairs over time.",
+            f"decode / floor over the steady pairs, those whose two reads agree within {STEADY_WITHIN:.0%} (the "
+            "floor: their mean); decode_vs_sustained_floor_min: the lowest; paired_*: each pair; floor_pairs.png: the "
+            "pairs over time.",
         ],
         plots=plots,
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
@@ -190,7 +191,7 @@ def paired_floor(
     Each pair brackets one greedy run (`Generator.measure`, after a warm-up) between two `sustained_bandwidth` reads
     of the bytes such a run's decode reads (tokens x `read_bytes`), so both sides read the same bytes over about the
     same seconds. A shared host's bandwidth can move between levels for seconds at a time (measured on the 2-core
-    VMs: ~37 and ~53 GB/s), and a run's floor is then only known when it did not move across the pair: a pair is
+    VMs: ~35-37 and ~51-57 GB/s), and a run's floor is then only known when it did not move across the pair: a pair is
     *steady* when the two reads agree within `STEADY_WITHIN`. Its floor is their mean (the best probe of each).
 
     Returns per-pair lists (seconds since the first pair began, decode and floor tokens/s, their ratio, each read's
@@ -301,7 +302,7 @@ def plot_pairs(paired: dict[str, Any], read_bytes: int, burst_gb_s: float, sourc
     left.legend(fontsize=8)
     steady = np.asarray(paired["steady"], bool)
     ratio = np.asarray(paired["decode_vs_sustained_floors"]) * 100
-    right.plot(t[steady], ratio[steady], "o", c="C0", label="steady pair (reads within 10%)")
+    right.plot(t[steady], ratio[steady], "o", c="C0", label=f"steady pair (reads within {STEADY_WITHIN:.0%})")
     right.plot(t[~steady], ratio[~steady], "o", mfc="none", c="C0", label="the host's bandwidth moved")
     right.axhline(80, ls="--", c="C3", lw=1, label="goal: 80%")
     top = max(110, 1.05 * max(ratio, default=0))  # a pair whose level moved can exceed 100%
