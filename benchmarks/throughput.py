@@ -13,8 +13,9 @@ tokens/s = batch * (new_tokens - 1) / time for the remaining tokens. The floor i
 decode step reads every weight once. That bandwidth is a burst (the best single read of many). A shared host's
 bandwidth moves between levels for seconds at a time, so with batch 1 the script also runs --floor-pairs batch-1
 generations, each between two sustained reads of the bytes its decode read (`paired_floor`): the floor of the moment
-it ran. It prints each pair's ratio, and the median and lowest over the steady pairs (reads within 10%); --plot draws
-the pairs over time.
+it ran. It prints each pair's ratio, the median and lowest over the steady pairs (reads within 10%), and every pair
+pooled with no threshold (all decode tokens over their seconds against all read bytes over theirs); --plot draws the
+pairs over time.
 """
 
 from __future__ import annotations
@@ -184,6 +185,10 @@ def main(argv=None) -> int:
             )
         else:
             header += "; no steady pair: the host's bandwidth moved during every one"
+        header += (
+            f"; all {len(p['steady'])} pairs pooled (no threshold): {p['decode_vs_pooled_floor']:.0%} of "
+            f"{p['pooled_floor_tok_s']:.2f} tok/s"
+        )
     print(header)
     print(table(rows, floor_tok_s))
     if args.json:

@@ -175,6 +175,9 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
     assert summary["paired_steady_pairs"] == len(steady)
     assert summary["decode_vs_sustained_floor"] == (pytest.approx(statistics.median(steady)) if steady else None)
     assert summary["decode_vs_sustained_floor_min"] == (min(steady) if steady else None)
+    reads = [max(r.values()) for r in summary["paired_sustained_gb_s_before"] + summary["paired_sustained_gb_s_after"]]
+    pooled = statistics.harmonic_mean(summary["paired_decode_tok_s"]) * summary["bytes_read_per_token"] / 1e9
+    assert summary["decode_vs_pooled_floor"] == pytest.approx(pooled / statistics.harmonic_mean(reads))
     assert open(os.path.join(out, "floor_pairs.png"), "rb").read(8) == PNG
 
 
@@ -210,6 +213,11 @@ def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
     assert out["decode_vs_sustained_floor"] == pytest.approx((35 / 40 + 45 / 55) / 2)  # the steady pairs only
     assert out["decode_vs_sustained_floor_min"] == pytest.approx(45 / 55)
     assert out["sustained_gb_s_after"][1] == {"xla_matvec_rows": 50.0, "kernel_matvec": 55.0}
+    # Pooled, every pair counts: 12 tokens over 4/35 + 4/38 + 4/45 s, against 6 GB read at 40 GB/s three times and at
+    # 55 three times (1 GB per token).
+    decode = 12 / (4 / 35 + 4 / 38 + 4 / 45)
+    assert out["pooled_floor_tok_s"] == pytest.approx(6 / (3 / 40 + 3 / 55))
+    assert out["decode_vs_pooled_floor"] == pytest.approx(decode / (6 / (3 / 40 + 3 / 55)))
     assert len(out["seconds"]) == 3 and out["seconds"] == sorted(out["seconds"])
 
 
@@ -227,6 +235,7 @@ def test_paired_floor_without_a_steady_pair_has_no_headline(monkeypatch, tmp_pat
     assert out["steady"] == [False, False] and out["steady_pairs"] == 0
     assert out["decode_vs_sustained_floor"] is None and out["decode_vs_sustained_floor_min"] is None
     assert out["decode_vs_sustained_floors"] == pytest.approx([30 / 45, 30 / 45])
+    assert out["decode_vs_pooled_floor"] == pytest.approx(30 / (2 / (1 / 36 + 1 / 54)))  # still a figure, pooled
     throughput.plot_pairs(out, 10**9, 54.0, "a test", str(tmp_path / "pairs.png"))  # hollow points only
     assert (tmp_path / "pairs.png").read_bytes()[:8] == PNG
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +82,7 @@ def run(config) -> Result:
                 m.floor_pairs,
                 m.floor_probe_mib << 20,
             )
-            headline = ("decode_vs_sustained_floor", "decode_vs_sustained_floor_min")
+            headline = ("decode_vs_sustained_floor", "decode_vs_sustained_floor_min", "decode_vs_pooled_floor")
             summary |= {f"paired_{k}": v for k, v in paired.items() if k not in headline}
             summary |= {k: paired[k] for k in headline}
             plots["floor_pairs.png"] = functools.partial(
@@ -101,8 +102,9 @@ def run(config) -> Result:
             "decode_vs_sustained_floor (summary, with batch 1): over measure.floor_pairs pairs, each a batch-1 run "
             "between two sustained reads of the bytes its decode read (the decode-pattern probes), the median of "
             f"decode / floor over the steady pairs, those whose two reads agree within {STEADY_WITHIN:.0%} (the "
-            "floor: their mean); decode_vs_sustained_floor_min: the lowest; paired_*: each pair; floor_pairs.png: the "
-            "pairs over time.",
+            "floor: their mean); decode_vs_sustained_floor_min: the lowest; decode_vs_pooled_floor: every pair "
+            "pooled, with no threshold (all decode tokens over their seconds against all read bytes over theirs); "
+            "paired_*: each pair; floor_pairs.png: the pairs over time.",
         ],
         plots=plots,
         model=dict(source=spec.describe(), **model_summary(pair.jax)),
@@ -196,7 +198,10 @@ def paired_floor(
 
     Returns per-pair lists (seconds since the first pair began, decode and floor tokens/s, their ratio, each read's
     GB/s per probe, steady or not), the median and the lowest ratio over the steady pairs (`decode_vs_sustained_floor`,
-    `decode_vs_sustained_floor_min`; None when no pair was steady), and the number of steady pairs.
+    `decode_vs_sustained_floor_min`; None when no pair was steady), and the number of steady pairs. Without a
+    threshold, `decode_vs_pooled_floor` pools every pair: all the runs' decode tokens over their seconds, against all
+    the reads' bytes over their seconds (`pooled_floor_tok_s`, each read by its best probe). Both sides then average
+    the same stretch of the host's levels, weighted by time; a pair whose level moved counts, as it ran.
     """
     warm = generator.measure(1, prompt_len, new_tokens)
     run_bytes = warm.decode_tokens * read_bytes
@@ -220,6 +225,10 @@ def paired_floor(
     out["steady_pairs"] = len(steady)
     out["decode_vs_sustained_floor"] = float(np.median(steady)) if steady else None
     out["decode_vs_sustained_floor_min"] = min(steady) if steady else None
+    # Every run decodes the same tokens and every read reads the same bytes: totals over totals are harmonic means.
+    reads = [max(r.values()) for r in (*out["sustained_gb_s_before"], *out["sustained_gb_s_after"])]
+    out["pooled_floor_tok_s"] = statistics.harmonic_mean(reads) * 1e9 / read_bytes
+    out["decode_vs_pooled_floor"] = statistics.harmonic_mean(out["decode_tok_s"]) / out["pooled_floor_tok_s"]
     return out
 
 
