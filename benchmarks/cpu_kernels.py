@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
 
 
-PARTS = ("products", "state", "experts")
+PARTS = ("products", "state", "experts", "attention")
 
 
 def parts(text: str) -> list[str]:
@@ -46,17 +46,10 @@ def parts(text: str) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int, positive_ints
-    from granite_jax.presets import RELEASED
+    from granite_jax.cli import ArgumentParser, add_shape_argument, output_file_problem, positive_int, positive_ints
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument(
-        "--shape",
-        default="granite-4.0-h-350m",
-        choices=sorted(RELEASED),
-        metavar="NAME",
-        help=f"weight shapes of this released architecture: {', '.join(sorted(RELEASED))}",
-    )
+    add_shape_argument(p, "weight shapes")
     p.add_argument(
         "--rows", type=positive_ints, default="1,2,4,8,16", help="comma-separated rows of x (the decode batch size)"
     )
@@ -66,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="1,2,4,8,128",
         help="comma-separated tokens through the experts (decode, prefill)",
     )
+    p.add_argument(
+        "--contexts",
+        type=positive_ints,
+        default="256,4096,32768",
+        help="comma-separated filled KV-cache slots for the attention part",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights and activations")
     p.add_argument(
         "--chain-mib", type=positive_int, default=192, help="weights read per timed call, MiB (beyond the caches)"
@@ -74,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         type=parts,
-        default="products,state,experts",
-        help="comma-separated: products, state (update), experts (MoE)",
+        default="products,state,experts,attention",
+        help="comma-separated: products, state (update), experts (MoE), attention (decode, over the KV cache)",
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
@@ -223,6 +222,48 @@ def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtyp
     return out
 
 
+def measure_attention(name: str, rows: int, context: int, chain_bytes: int, repeats: int) -> dict[str, Any]:
+    """One query token per row over `context` filled slots of one attention layer's float32 KV cache (the float32
+    model's), through enough layers' caches to overflow the CPU's: the kernel (`model.attend_cache` on a CPU) vs XLA's
+    blocks (`model._attend_blocks`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from granite_jax import model
+    from granite_jax.presets import released_config
+
+    cfg = released_config(name)
+    kv, hd = cfg.num_key_value_heads, cfg.head_dim
+    rep, scale = cfg.num_attention_heads // kv, cfg.attention_multiplier
+    layer_bytes = 2 * rows * kv * context * hd * 4
+    count = max(1, -(-chain_bytes // layer_bytes))
+    rng = np.random.default_rng(0)
+    caches = [
+        model.KVState(*(jax.device_put(rng.standard_normal((rows, kv, context, hd), np.float32)) for _ in range(2)))
+        for _ in range(count)
+    ]
+    q = jax.device_put(rng.standard_normal((rows, 1, kv, rep, hd), np.float32))
+    slot, pad = jnp.array([context - 1], jnp.int32), jnp.zeros((rows,), jnp.int32)
+
+    def layers(attend):  # every cache, the positions rebuilt inside (a Positions is not a jit argument)
+        return jax.jit(lambda q, cs, slot, pad: sum(attend(q, c, model.Positions(slot, pad)) for c in cs))
+
+    kernel = layers(lambda q, c, pos: model.attend_cache(q, c, pos, scale))
+    xla = layers(lambda q, c, pos: model._attend_blocks(q, c, pos, scale, None))
+    calls = {impl: functools.partial(fn, q, caches, slot, pad) for impl, fn in (("kernel", kernel), ("xla", xla))}
+    best = best_times(calls, repeats)
+    return dict(
+        rows=rows,
+        context=context,
+        layers=count,
+        kv_heads=kv,
+        queries_per_kv=rep,
+        head_dim=hd,
+        **rates(count * layer_bytes, best),
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from granite_jax import cpu_kernels
@@ -230,7 +271,7 @@ def main(argv=None) -> int:
     if not cpu_kernels.available():
         print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
         return 2
-    results, updates, experts = [], [], []
+    results, updates, experts, attention = [], [], [], []
     if "products" in args.parts:
         work = [(s, r) for s in weight_shapes(args.shape) for r in args.rows]
         results = [
@@ -281,10 +322,36 @@ def main(argv=None) -> int:
                 rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_gflop_s']:.1f} | "
                 rates += f"{r['xla_gflop_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
                 print(f"| {r['tokens']} | {r['rows']} | {r['experts']} x {r['inp']} x {r['out']} | {rates} |")
+    if "attention" in args.parts:
+        from granite_jax.presets import released_config
+
+        if "attention" not in released_config(args.shape).layer_types:
+            print(f"\n{args.shape} has no attention layers")
+        else:
+            work = [(r, c) for c in args.contexts for r in args.rows]
+            attention = [
+                measure_attention(args.shape, r, c, args.chain_mib << 20, args.repeats)
+                for r, c in tqdm(work, desc="attention", unit="size", file=sys.stderr)
+            ]
+            print(
+                f"\n{args.shape} decode attention over a float32 KV cache, one layer per call; GB/s of keys and values"
+            )
+            print("| batch | filled slots | kernel GB/s | XLA GB/s | kernel / XLA |")
+            print("|---|---|---|---|---|")
+            for r in attention:
+                rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
+                print(f"| {r['rows']} | {r['context']} | {rates} |")
     if args.json:
         from granite_jax.experiments.common import environment
 
-        doc = dict(args=vars(args), results=results, state_update=updates, experts=experts, environment=environment())
+        doc = dict(
+            args=vars(args),
+            results=results,
+            state_update=updates,
+            experts=experts,
+            attention=attention,
+            environment=environment(),
+        )
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
             f.write("\n")

@@ -29,12 +29,10 @@ KINDS = ("kCustomKernel", "kCopy", "kWhile", "kConditional")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int
-    from granite_jax.presets import RELEASED
+    from granite_jax.cli import ArgumentParser, add_shape_argument, output_file_problem, positive_int
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--shape", default="granite-4.0-h-tiny", choices=sorted(RELEASED), metavar="NAME",
-                   help=f"released architecture: {', '.join(sorted(RELEASED))}")  # fmt: skip
+    add_shape_argument(p, "the weights and dimensions", default="granite-4.0-h-tiny")
     p.add_argument("--layers", type=positive_int, help="only the first LAYERS layers (default: all)")
     p.add_argument("--batch", type=positive_int, default=1, help="rows per step")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations")

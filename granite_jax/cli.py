@@ -1,7 +1,8 @@
 """Command-line plumbing shared by the commands and benchmark scripts: bad input ends with one line on stderr and
 exit code 2, never a usage block or a traceback.
 
-- `ArgumentParser`: argparse with one-line errors (generate, compare, convert, the benchmark scripts).
+- `ArgumentParser`: argparse with one-line errors (generate, compare, convert, the benchmark scripts), and the
+  argument types and checks they share (`positive_int`, `output_file_problem`, `add_shape_argument`, ...).
 - `flags_parser`: absl flag parsing for commands driven by an ml_collections config file (`--config FILE
   --config.x=y`: the experiment command and `rewriter.report`), naming a missing or broken config file and an
   override that names no field or does not fit its type.
@@ -27,6 +28,20 @@ logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # absl's han
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit code 2 (argparse's default prints the usage too)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_shape_argument(parser: argparse.ArgumentParser, what: str, default: str = "granite-4.0-h-350m") -> None:
+    """--shape NAME, one of the released architectures (`presets.RELEASED`); `what` says what a script takes from it."""
+    from granite_jax.presets import RELEASED
+
+    names = sorted(RELEASED)
+    parser.add_argument(
+        "--shape",
+        default=default,
+        choices=names,
+        metavar="NAME",
+        help=f"{what} of this released architecture: " + ", ".join(names),
+    )
 
 
 def positive_int(text: str) -> int:

@@ -16,6 +16,9 @@
 - `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
+- `decode_attention`: one query token per row over the filled slots of a KV cache (`model.attend_cache` when
+  decoding). XLA runs the model's online-softmax blocks as a loop of small fusions; `csrc/decode_attention.cc` reads
+  each (row, KV head)'s keys and values once, in order, for all the queries of the group.
 
 All are XLA FFI custom calls for x86-64 CPUs with AVX2 and FMA, compiled into one library with the system C++
 compiler on first use and cached (``$GRANITE_JAX_CACHE_DIR`` or ``~/.cache/granite_jax``); on CPUs with AVX-512F
@@ -39,10 +42,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Array = jax.Array
@@ -56,7 +61,10 @@ EXPERT_TARGET = "granite_expert_matvec"
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
 WIDEN_TARGET = "granite_widen"
 SSM_TARGET = "granite_ssm_update_f32"
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc"))
+ATTENTION_TARGET = "granite_decode_attention"
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc", "decode_attention.cc")
+)
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f",)  # added where the CPU has AVX-512F: the panel kernel then takes four panels at once
@@ -274,8 +282,44 @@ def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that
     return _ssm_kernel(*primals), jax.jvp(_ssm_update_xla, primals, tangents)[1]
 
 
+def decode_attention(
+    q: Array, k: Array, v: Array, pad: Array, slot: Array, scale: float, reference: Callable[..., Array]
+) -> Array:
+    """Attention of one query token per row over a KV cache: q (b, 1, kv, rep, d), k and v (b, kv, S, d), each row b
+    attending its slots [pad[b], slot] (slot: the query's own, a scalar) with scores scale * q . k. Returns
+    (b, 1, kv, rep, d) in q's dtype. On CPUs with the kernels, float32 q on float32 or bfloat16 k and v: the kernel
+    (float32 arithmetic; a row with no slot in range gives zeros, which decoding never asks for); otherwise
+    `reference(q, k, v, pad, slot)`, XLA's version with the same signature (`model.attend_cache`'s blocks), which also
+    gives the kernel's tangent."""
+    if not uses_attention_kernel(q, k, v):
+        return reference(q, k, v, pad, slot)
+    kernel = functools.partial(_attention_kernel, float(scale), reference)
+    return lax.platform_dependent(q, k, v, pad, slot, cpu=kernel, default=reference)
+
+
+def uses_attention_kernel(q: Array, k: Array, v: Array) -> bool:
+    """Whether `decode_attention(q, k, v, ...)` runs the kernel when lowered for a CPU."""
+    shapes = q.ndim == 5 and q.shape[1] == 1 and k.ndim == 4 and k.shape == v.shape
+    return shapes and q.dtype == jnp.float32 and k.dtype == v.dtype and k.dtype in KERNEL_DTYPES and available()
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _attention_kernel(scale: float, reference, q: Array, k: Array, v: Array, pad: Array, slot: Array) -> Array:
+    call = jax.ffi.ffi_call(
+        ATTENTION_TARGET, jax.ShapeDtypeStruct(q[:, 0].shape, jnp.float32), vmap_method="sequential"
+    )
+    out = call(q[:, 0], k, v, pad.astype(jnp.int32), jnp.asarray(slot, jnp.int32), scale=np.float32(scale))
+    return out[:, None]
+
+
+@_attention_kernel.defjvp
+def _attention_kernel_jvp(scale, reference, primals, tangents):  # XLA's tangent, which JAX can transpose
+    return _attention_kernel(scale, reference, *primals), jax.jvp(reference, primals, tangents)[1]
+
+
 def available() -> bool:
-    """Whether `linear` and `ssm_update` can use the kernels here (compiles and loads them on the first call)."""
+    """Whether `linear`, `ssm_update` and the others can use the kernels here (compiles and loads them on the first
+    call)."""
     return _load() is None
 
 
@@ -285,14 +329,15 @@ def unavailable_reason() -> str | None:
 
 
 def describe() -> str:
-    """What runs the decode products, the expert products and the Mamba state update on CPUs here (for records)."""
+    """What runs the decode products, the expert products, the Mamba state update and decode attention on CPUs here
+    (for records)."""
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32/bfloat16 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
     if panels_use_avx512():
         products += " (AVX-512)"
-    return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update"
+    return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update; decode attention"
 
 
 def panels_use_avx512() -> bool:
@@ -324,7 +369,7 @@ def _build_and_register() -> str | None:
             detail = (e.stderr or "").strip().splitlines()[-1:]
             log.warning("granite_jax.cpu_kernels: the AVX-512 build failed (%s); building for AVX2", *detail or ["?"])
             library = ctypes.CDLL(str(_compiled_library(FLAGS)))
-        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, SSM_TARGET):
+        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, SSM_TARGET, ATTENTION_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
         _LIBRARY.append(library)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:

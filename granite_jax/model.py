@@ -290,13 +290,24 @@ def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
 
 def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: int | None = None) -> Array:
     """`attend` over the filled cache slots [0, last query slot] only, `block` keys at a time (default:
-    DECODE_KV_BLOCK for one query per row, KV_BLOCK for a prompt segment).
+    DECODE_KV_BLOCK for one query per row, KV_BLOCK for a prompt segment). One query per row (decoding) goes through
+    `cpu_kernels.decode_attention`: on CPUs a kernel, elsewhere these blocks.
 
     The online softmax of flash attention (Dao et al. 2022, Alg. 1): a running max m, normalizer and output acc per
     query, rescaled by exp(m_old - m_new) as each block arrives. Time and memory grow with the filled slots, not with
     the preallocated cache. A last block that would run past the cache is shifted back and its already-seen slots
     masked, so any cache length works.
     """
+    if q.shape[1] == 1:
+
+        def one(q, k, v, pad, slot):
+            return _attend_blocks(q, KVState(k, v), Positions(slot[None], pad), scale, block)
+
+        return cpu_kernels.decode_attention(q, cache.k, cache.v, pos.pad, pos.query_slots[0], scale, one)
+    return _attend_blocks(q, cache, pos, scale, block)
+
+
+def _attend_blocks(q: Array, cache: KVState, pos: Positions, scale: float, block: int | None) -> Array:
     S = cache.k.shape[2]
     b, T, kv, rep, hd = q.shape
     block = min(block or (DECODE_KV_BLOCK if T == 1 else KV_BLOCK), S)

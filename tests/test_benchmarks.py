@@ -22,7 +22,8 @@ FLAGS = {
         "--shape --layers --checkpoint --prompt-len --new-tokens --batch-sizes --dtype --weight-dtype --repeats "
         "--skip-transformers --floor-pairs --probe-mib --json --plot"
     ),
-    "cpu_kernels.py": "--shape --rows --expert-tokens --dtype --chain-mib --repeats --parts --json",
+    "cpu_kernels.py": "--shape --rows --expert-tokens --contexts --dtype --chain-mib --repeats --parts --json",
+    "decode_attention.py": "--shape --layers --weight-dtype --prompt-len --batch --steps --rounds --json",
     "rewrite_ssd.py": (
         "--lengths --batch --heads --head-dim --state --groups --chunk --reps --naive-reps --max-naive-seconds --json"
     ),
@@ -50,6 +51,10 @@ BAD = [
     ("cpu_kernels.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
     ("cpu_kernels.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("cpu_kernels.py", ["--json", "{dir}"], "is a directory"),
+    ("cpu_kernels.py", ["--contexts", "0"], "argument --contexts: every value must be >= 1"),
+    ("decode_attention.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    ("decode_attention.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
+    ("decode_attention.py", ["--json", "{dir}"], "is a directory"),
     ("rewrite_ssd.py", ["--heads", "0"], "argument --heads: must be >= 1, got 0"),
     ("rewrite_ssd.py", ["--chunk", "0"], "argument --chunk: must be >= 1, got 0"),
     ("rewrite_ssd.py", ["--groups", "5"], "--heads must be a multiple of --groups"),

@@ -1,5 +1,6 @@
 """The CPU decode kernels (granite_jax.cpu_kernels) against float64, and where they are and are not used."""
 
+import functools
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from granite_jax import cpu_kernels
+from granite_jax.model import KVState, Positions, _attend_blocks
 from granite_jax.ssd import ssd_reference, ssd_step
 
 # Tests of the kernels skip where they cannot run; tests of the fallbacks (XLA's products, the reasons) run everywhere.
@@ -425,6 +427,79 @@ def test_state_update_gradients():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
+def attention_inputs(b, kv, rep, d, S, pad, seed=0, cache_dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, 1, kv, rep, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, kv, S, d)), cache_dtype) for _ in range(2))
+    return q, k, v, jnp.asarray(pad, jnp.int32)
+
+
+def float64_attention(q, k, v, pad, slot, scale):
+    """Softmax attention of each row's one query over its slots [pad[b], slot], in float64, from the exact inputs."""
+    q64, k64, v64 = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (q, k, v))
+    out = np.zeros(q64.shape)
+    for b, lo in enumerate(np.asarray(pad)):
+        keys = slice(int(lo), slot + 1)
+        scores = np.einsum("krd,ksd->krs", q64[b, 0], k64[b, :, keys]) * scale
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        out[b, 0] = np.einsum("krs,ksd->krd", probs / probs.sum(-1, keepdims=True), v64[b, :, keys])
+    return out
+
+
+def xla_attention(q, k, v, pad, slot, scale=0.3):
+    return _attend_blocks(q, KVState(k, v), Positions(jnp.reshape(slot, (1,)), pad), scale, None)
+
+
+def kernel_attention(q, k, v, pad, slot, scale=0.3):
+    return cpu_kernels.decode_attention(q, k, v, pad, slot, scale, functools.partial(xla_attention, scale=scale))
+
+
+# h-350m's heads at a filled length past two key blocks, with left padding; a head size with a tail past the vectors
+# and the query's slot short of the cache's end; one query per group; one key; bfloat16 caches.
+@pytest.mark.parametrize(
+    "b,kv,rep,d,S,slot,pad,cache_dtype",
+    [
+        (2, 4, 3, 64, 300, 290, [0, 37], np.float32),
+        (3, 2, 4, 20, 70, 50, [5, 0, 50], np.float32),
+        (1, 1, 1, 8, 16, 0, [0], np.float32),
+        (2, 4, 3, 64, 200, 199, [3, 130], jnp.bfloat16),
+    ],
+)
+@needs_kernel
+def test_decode_attention_matches_float64(b, kv, rep, d, S, slot, pad, cache_dtype):
+    q, k, v, pad = attention_inputs(b, kv, rep, d, S, pad, cache_dtype=cache_dtype)
+    slot = jnp.int32(slot)
+    assert cpu_kernels.ATTENTION_TARGET in lowered(kernel_attention, q, k, v, pad, slot)
+    got = jax.jit(kernel_attention)(q, k, v, pad, slot)
+    want = float64_attention(q, k, v, pad, int(slot), 0.3)
+    assert got.shape == q.shape and got.dtype == jnp.float32
+    assert rel(got, want) < 1e-5
+    assert rel(jax.jit(xla_attention)(q, k, v, pad, slot), want) < 1e-5  # the fallback, on the same inputs
+
+
+def test_decode_attention_elsewhere_is_xla():
+    q, k, v, pad = attention_inputs(2, 2, 3, 16, 40, [0, 4])
+    slot = jnp.int32(30)
+    assert cpu_kernels.ATTENTION_TARGET not in lowered(kernel_attention, q, k, v, pad, slot, platform="cuda")
+    bf16 = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)  # a bfloat16 model's: XLA's
+    assert cpu_kernels.ATTENTION_TARGET not in lowered(kernel_attention, *bf16, pad, slot)
+
+
+@needs_kernel
+def test_decode_attention_tangents():
+    # Forward mode, as XLA's blocks allow (their loop runs to the filled length: not reverse-differentiable).
+    q, k, v, pad = attention_inputs(2, 2, 3, 16, 90, [0, 9], seed=3)
+    slot = jnp.int32(80)
+    tangents = tuple(jnp.asarray(np.random.default_rng(4).standard_normal(t.shape), jnp.float32) for t in (q, k, v))
+
+    def tangent(attention):
+        return jax.jvp(lambda q, k, v: attention(q, k, v, pad, slot), (q, k, v), tangents)
+
+    (got, dgot), (want, dwant) = jax.jit(tangent, static_argnums=0)(kernel_attention), tangent(xla_attention)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dgot), np.asarray(dwant), rtol=1e-5, atol=1e-6)
+
+
 def _reason_in_subprocess(tmp_path, **env) -> str:
     code = "from granite_jax import cpu_kernels; print(cpu_kernels.unavailable_reason())"
     env = {**os.environ, "GRANITE_JAX_CACHE_DIR": str(tmp_path / "cache"), **env}
@@ -502,6 +577,7 @@ BENCHMARK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def test_benchmark_script_times_every_weight_shape(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, BENCHMARK, "--rows", "1,9", "--chain-mib", "1", "--repeats", "1", "--json", str(out)]
+    cmd += ["--contexts", "40,300"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -514,6 +590,11 @@ def test_benchmark_script_times_every_weight_shape(tmp_path):
     assert [r["batch"] for r in doc["state_update"]] == [1, 9]
     assert all(r["layers"] == 28 and r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["state_update"])
     assert "| 100352 x 768 | 9 |" in proc.stdout
+    # decode attention over h-350m's KV heads (4 of 64, 3 queries each) at each batch and filled length
+    assert [(r["rows"], r["context"]) for r in doc["attention"]] == [(1, 40), (9, 40), (1, 300), (9, 300)]
+    assert all((r["kv_heads"], r["queries_per_kv"], r["head_dim"]) == (4, 3, 64) for r in doc["attention"])
+    assert all(r["kernel_gb_s"] > 0 and r["xla_gb_s"] > 0 for r in doc["attention"])
+    assert "| 9 | 300 |" in proc.stdout
 
 
 @needs_kernel
@@ -535,6 +616,18 @@ def test_benchmark_script_times_expert_products(tmp_path):
     dense = [sys.executable, BENCHMARK, "--parts", "experts", "--rows", "1", "--repeats", "1"]
     proc = subprocess.run(dense, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0 and "granite-4.0-h-350m has no routed experts" in proc.stdout, proc.stderr[-3000:]
+
+
+@needs_kernel
+def test_decode_attention_benchmark_compares_the_two_steps(tmp_path):
+    out = tmp_path / "ab.json"
+    script = os.path.join(os.path.dirname(BENCHMARK), "decode_attention.py")
+    cmd = [sys.executable, script, "--layers", "4", "--prompt-len", "40", "--rounds", "2", "--steps", "2"]
+    proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert len(doc["rounds"]) == 2 and all(r["kernel_s"] > 0 and r["xla_s"] > 0 for r in doc["rounds"])
+    assert doc["median_xla_over_kernel"] > 0 and "40-token context" in proc.stdout
 
 
 def test_benchmark_script_refuses_bad_arguments(tmp_path):

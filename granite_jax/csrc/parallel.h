@@ -1,5 +1,5 @@
-// Shared by the CPU kernels (small_matmul.cc, ssm_update.cc): AVX2 helpers and the split of a kernel's work
-// between the calling thread and XLA's intra-op thread pool.
+// Shared by the CPU kernels (small_matmul.cc, ssm_update.cc, decode_attention.cc): AVX2 helpers, bfloat16 widening and
+// the split of a kernel's work between the calling thread and XLA's intra-op thread pool.
 #pragma once
 
 #include <immintrin.h>
@@ -7,11 +7,28 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace granite {
+
+using bf16 = uint16_t;  // bfloat16 values: the upper half of a float32's bits
+
+// Eight values as float32: loaded, or widened from bfloat16 (exactly: a shift into the upper half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

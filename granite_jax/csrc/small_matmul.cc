@@ -35,7 +35,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -54,21 +53,9 @@ constexpr int64_t K_BLOCK = 256;          // 8 KB of a panel: L1-resident while 
 constexpr int STREAMS = 4;                // row ranges a thread reads at once in MatVec (4 and 8 measured best)
 constexpr int64_t MIN_TILED_ROWS = 4;     // rows of one expert from which ExpertMatvec tiles them in registers
 
-using bf16 = uint16_t;  // bfloat16 weights: the upper half of a float32's bits
-
-// Eight weights as float32: loaded, or widened from bfloat16 (exactly: a shift into the upper half).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using granite::bf16;
+using granite::load8;
+using granite::to_float;
 
 // y[n] = w[n, :] . x for the rows n = r0 + s * len + i, s < S, i < len: S sequential streams through W.
 template <int S, typename T>

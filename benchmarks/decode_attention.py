@@ -1,0 +1,151 @@
+"""Decode steps with and without the CPU decode-attention kernel, in one process, interleaved.
+
+    python benchmarks/decode_attention.py                          # h-350m's shape, 8K-token context, batch 1
+    python benchmarks/decode_attention.py --prompt-len 256 --weight-dtype float32 --json out.json
+
+Two Generators over one random-weight model (float32 arithmetic on --weight-dtype weights) compile the decode step
+for the same prompt: one with `cpu_kernels.decode_attention`'s kernel, the other with XLA's online-softmax blocks
+(`model._attend_blocks`; the kernel is chosen when the step is lowered, and turned off here while the second one
+compiles). Each prefills the prompt once; then every round times --steps decode steps of each, kernel, XLA, kernel
+again, and takes XLA's time over the mean of the kernel's two: the machine's drift between rounds cancels. Each step
+adds a slot to the context (the kernel's decoder takes twice the XLA one's steps, so its context ends longer by
+rounds x steps slots, a few percent of 8K). Prints each
+round and the median (with --json, a JSON document).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from granite_jax.cli import ArgumentParser, add_shape_argument, output_file_problem, positive_int
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_shape_argument(p, "random weights")
+    p.add_argument("--layers", type=positive_int, default=None, help="N layers, same share of attention (None: all)")
+    p.add_argument("--weight-dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weights' dtype")
+    p.add_argument("--prompt-len", type=positive_int, default=8192, help="prompt tokens per row: the filled context")
+    p.add_argument("--batch", type=positive_int, default=1, help="rows decoded at once")
+    p.add_argument("--steps", type=positive_int, default=16, help="decode steps per timing")
+    p.add_argument("--rounds", type=positive_int, default=5, help="rounds of (kernel, XLA, kernel) timings")
+    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
+    args = p.parse_args(argv)
+    if (problem := output_file_problem("--json", args.json)) is not None:
+        p.error(problem)
+    return args
+
+
+@contextlib.contextmanager
+def without_attention_kernel() -> Iterator[None]:
+    """Steps lowered inside take XLA's blocks for decode attention (the other kernels stay)."""
+    from granite_jax import cpu_kernels
+
+    chosen = cpu_kernels.uses_attention_kernel
+    cpu_kernels.uses_attention_kernel = lambda *args: False
+    try:
+        yield
+    finally:
+        cpu_kernels.uses_attention_kernel = chosen
+
+
+class Decoder:
+    """A Generator's compiled decode step, started from its prefill of `prompts`, stepping its own cache: each step
+    adds one slot to the context, and the cache holds `steps` of them."""
+
+    def __init__(self, generator, prompts: list[list[int]], steps: int):
+        from granite_jax import cpu_kernels
+        from granite_jax.sampling import SamplingConfig
+
+        sampling = SamplingConfig(max_new_tokens=steps + 1, stop_token_ids=())
+        self.taken, self.room = 0, steps
+        self.params = sampling.device_params()
+        layout = generator.layout([len(p) for p in prompts], sampling.max_new_tokens)
+        self.step = generator._compile_decode(layout, self.params)  # the compiled step, the weights bound
+        self.uses_kernel = cpu_kernels.ATTENTION_TARGET in self.step.func.as_text()
+        _, self.tokens, self.cache = generator.prefill(prompts, sampling)
+
+    def seconds_per_step(self, steps: int) -> float:
+        """Mean wall time of `steps` steps queued back to back (the tokens read once, at the end)."""
+        import numpy as np
+
+        assert self.taken + steps <= self.room, "the cache was sized for fewer steps"
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.taken += 1
+            _, self.tokens, self.cache = self.step(self.cache, self.tokens, self.params, np.int32(self.taken))
+        self.tokens.block_until_ready()
+        return (time.perf_counter() - start) / steps
+
+
+def interleaved(kernel: Callable[[], float], xla: Callable[[], float], rounds: int) -> list[dict[str, float]]:
+    out = []
+    for _ in tqdm(range(rounds), desc="rounds", unit="round", file=sys.stderr):
+        first, other, second = kernel(), xla(), kernel()
+        out.append(dict(kernel_s=(first + second) / 2, xla_s=other, xla_over_kernel=2 * other / (first + second)))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+
+    from granite_jax import cpu_kernels
+    from granite_jax.experiments.common import ModelSpec, environment
+    from granite_jax.generate import Generator
+
+    if not cpu_kernels.available():
+        print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
+        return 2
+    spec = ModelSpec(None, args.shape, args.layers, 0)
+    model = spec.load(dtype="float32", weight_dtype=args.weight_dtype)
+    prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
+    total = 2 + 2 * args.rounds * args.steps  # the kernel's steps: a warm-up and two timings a round (XLA: fewer)
+    kernel = Decoder(Generator(model=model, tokenizer=None), prompts, total)
+    with without_attention_kernel():
+        xla = Decoder(Generator(model=model, tokenizer=None), prompts, total)
+    if not kernel.uses_kernel or xla.uses_kernel:  # what is compared must be what was compiled
+        print("error: the kernel's step does not call it, or the XLA step does", file=sys.stderr)
+        return 1
+    for decoder in (kernel, xla):  # warm up
+        decoder.seconds_per_step(2)
+    rounds = interleaved(
+        lambda: kernel.seconds_per_step(args.steps), lambda: xla.seconds_per_step(args.steps), args.rounds
+    )
+    ratios = [r["xla_over_kernel"] for r in rounds]
+    print(
+        f"{spec.describe()}, {args.weight_dtype} weights (float32 arithmetic); batch {args.batch}, "
+        f"{args.prompt_len}-token context; {args.steps} decode steps per timing"
+    )
+    print("| round | kernel ms/step | XLA ms/step | XLA / kernel |")
+    print("|---|---|---|---|")
+    for i, r in enumerate(rounds, 1):
+        print(f"| {i} | {r['kernel_s'] * 1e3:.2f} | {r['xla_s'] * 1e3:.2f} | {r['xla_over_kernel']:.3f} |")
+    print(f"median XLA / kernel step time: {np.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    if args.json:
+        doc: dict[str, Any] = dict(
+            args=vars(args),
+            model=spec.describe(),
+            rounds=rounds,
+            median_xla_over_kernel=float(np.median(ratios)),
+            environment=environment(),
+        )
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
