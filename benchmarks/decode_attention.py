@@ -6,10 +6,9 @@
 Two Generators over one random-weight model (float32 arithmetic on --weight-dtype weights) compile the decode step
 for the same prompt: one with `cpu_kernels.decode_attention`'s kernel, the other with XLA's online-softmax blocks
 (`model._attend_blocks`; the kernel is chosen when the step is lowered, and turned off here while the second one
-compiles). Each prefills the prompt once; then every round times --steps decode steps of each, kernel, XLA, kernel
-again, and takes XLA's time over the mean of the kernel's two: the machine's drift between rounds cancels. Each step
-adds a slot to the context (the kernel's decoder takes twice the XLA one's steps, so its context ends longer by
-rounds x steps slots, a few percent of 8K). Prints each
+compiles). Each prefills the prompt once; then every round times --steps decode steps of each in the order kernel,
+XLA, XLA, kernel, and takes XLA's two times over the kernel's: the machine's drift within a round weighs on both
+alike. Each step adds a slot to the context, the same number for both. Prints each
 round and the median (with --json, a JSON document).
 """
 
@@ -39,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive_int, default=8192, help="prompt tokens per row: the filled context")
     p.add_argument("--batch", type=positive_int, default=1, help="rows decoded at once")
     p.add_argument("--steps", type=positive_int, default=16, help="decode steps per timing")
-    p.add_argument("--rounds", type=positive_int, default=5, help="rounds of (kernel, XLA, kernel) timings")
+    p.add_argument("--rounds", type=positive_int, default=5, help="rounds of (kernel, XLA, XLA, kernel) timings")
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     if (problem := output_file_problem("--json", args.json)) is not None:
@@ -69,9 +68,9 @@ class Decoder:
         from granite_jax.sampling import SamplingConfig
 
         sampling = SamplingConfig(max_new_tokens=steps + 1, stop_token_ids=())
-        self.taken, self.room = 0, steps
         self.params = sampling.device_params()
         layout = generator.layout([len(p) for p in prompts], sampling.max_new_tokens)
+        self.taken, self.room = 0, layout.max_new_tokens - 1  # fewer where a RoPE model's positions end first
         self.step = generator._compile_decode(layout, self.params)  # the compiled step, the weights bound
         self.uses_kernel = cpu_kernels.ATTENTION_TARGET in self.step.func.as_text()
         _, self.tokens, self.cache = generator.prefill(prompts, sampling)
@@ -90,10 +89,12 @@ class Decoder:
 
 
 def interleaved(kernel: Callable[[], float], xla: Callable[[], float], rounds: int) -> list[dict[str, float]]:
+    """Rounds of kernel, XLA, XLA, kernel: a drift within a round weighs on both alike, and both decoders take the same
+    steps, so their contexts grow alike."""
     out = []
     for _ in tqdm(range(rounds), desc="rounds", unit="round", file=sys.stderr):
-        first, other, second = kernel(), xla(), kernel()
-        out.append(dict(kernel_s=(first + second) / 2, xla_s=other, xla_over_kernel=2 * other / (first + second)))
+        k1, x1, x2, k2 = kernel(), xla(), xla(), kernel()
+        out.append(dict(kernel_s=(k1 + k2) / 2, xla_s=(x1 + x2) / 2, xla_over_kernel=(x1 + x2) / (k1 + k2)))
     return out
 
 
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
     spec = ModelSpec(None, args.shape, args.layers, 0)
     model = spec.load(dtype="float32", weight_dtype=args.weight_dtype)
     prompts = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (args.batch, args.prompt_len)).tolist()
-    total = 2 + 2 * args.rounds * args.steps  # the kernel's steps: a warm-up and two timings a round (XLA: fewer)
+    total = 2 + 2 * args.rounds * args.steps  # each decoder's steps: a warm-up and two timings a round
     kernel = Decoder(Generator(model=model, tokenizer=None), prompts, total)
     with without_attention_kernel():
         xla = Decoder(Generator(model=model, tokenizer=None), prompts, total)

@@ -1,4 +1,5 @@
-"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session."""
+"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session; and the
+float64 attention oracle of the model and kernel tests."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 
 import jax
+import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -50,3 +52,18 @@ def h200_target():
 def tiny_checkpoint(hf_checkpoint) -> str:
     """The default tiny MoE hybrid (granite_jax.testing.TINY_CONFIG)."""
     return hf_checkpoint()
+
+
+def attention_float64(q, k, v, query_slots, pad, scale):
+    """Masked softmax attention in float64 numpy: q (b, T, kv, rep, hd), k/v (b, kv, S, hd); query t of row b sees the
+    slots [pad[b], query_slots[t]]."""
+    q, k, v = (np.asarray(np.asarray(t, np.float32), np.float64) for t in (q, k, v))  # bfloat16 via float32
+    query_slots, pad = np.asarray(query_slots), np.asarray(pad)
+    slots = np.arange(k.shape[2])
+    mask = (slots[None, None, :] <= query_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
+    scores = np.einsum("btkrd,bksd->bkrts", q, k) * scale
+    scores = np.where(mask[:, None, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # padding queries see no key at all: NaN rows, never compared
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bkrts,bksd->btkrd", probs, v)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import attention_float64
 
 from granite_jax import cpu_kernels
 from granite_jax.model import KVState, Positions, _attend_blocks
@@ -434,18 +435,6 @@ def attention_inputs(b, kv, rep, d, S, pad, seed=0, cache_dtype=np.float32):
     return q, k, v, jnp.asarray(pad, jnp.int32)
 
 
-def float64_attention(q, k, v, pad, slot, scale):
-    """Softmax attention of each row's one query over its slots [pad[b], slot], in float64, from the exact inputs."""
-    q64, k64, v64 = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (q, k, v))
-    out = np.zeros(q64.shape)
-    for b, lo in enumerate(np.asarray(pad)):
-        keys = slice(int(lo), slot + 1)
-        scores = np.einsum("krd,ksd->krs", q64[b, 0], k64[b, :, keys]) * scale
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        out[b, 0] = np.einsum("krs,ksd->krd", probs / probs.sum(-1, keepdims=True), v64[b, :, keys])
-    return out
-
-
 def xla_attention(q, k, v, pad, slot, scale=0.3):
     return _attend_blocks(q, KVState(k, v), Positions(jnp.reshape(slot, (1,)), pad), scale, None)
 
@@ -455,13 +444,15 @@ def kernel_attention(q, k, v, pad, slot, scale=0.3):
 
 
 # h-350m's heads at a filled length past two key blocks, with left padding; a head size with a tail past the vectors
-# and the query's slot short of the cache's end; one query per group; one key; bfloat16 caches.
+# and the query's slot short of the cache's end; one query per group; one key; a slot past the cache (the keys stop at
+# its end); bfloat16 caches.
 @pytest.mark.parametrize(
     "b,kv,rep,d,S,slot,pad,cache_dtype",
     [
         (2, 4, 3, 64, 300, 290, [0, 37], np.float32),
         (3, 2, 4, 20, 70, 50, [5, 0, 50], np.float32),
         (1, 1, 1, 8, 16, 0, [0], np.float32),
+        (1, 2, 2, 16, 50, 60, [3], np.float32),
         (2, 4, 3, 64, 200, 199, [3, 130], jnp.bfloat16),
     ],
 )
@@ -471,10 +462,19 @@ def test_decode_attention_matches_float64(b, kv, rep, d, S, slot, pad, cache_dty
     slot = jnp.int32(slot)
     assert cpu_kernels.ATTENTION_TARGET in lowered(kernel_attention, q, k, v, pad, slot)
     got = jax.jit(kernel_attention)(q, k, v, pad, slot)
-    want = float64_attention(q, k, v, pad, int(slot), 0.3)
+    want = attention_float64(q, k, v, np.array([min(int(slot), S - 1)]), pad, 0.3)
     assert got.shape == q.shape and got.dtype == jnp.float32
     assert rel(got, want) < 1e-5
     assert rel(jax.jit(xla_attention)(q, k, v, pad, slot), want) < 1e-5  # the fallback, on the same inputs
+
+
+@needs_kernel
+def test_decode_attention_without_a_slot_gives_zeros():
+    # A row whose padding reaches past the query slot (decoding never asks for one): zeros; the other row as usual.
+    q, k, v, pad = attention_inputs(2, 2, 3, 16, 40, [0, 25])
+    got = np.asarray(jax.jit(kernel_attention)(q, k, v, pad, jnp.int32(20)))
+    assert np.all(got[1] == 0)
+    assert rel(got[:1], attention_float64(q[:1], k[:1], v[:1], np.array([20]), pad[:1], 0.3)) < 1e-5
 
 
 def test_decode_attention_elsewhere_is_xla():
@@ -495,6 +495,8 @@ def test_decode_attention_tangents():
     def tangent(attention):
         return jax.jvp(lambda q, k, v: attention(q, k, v, pad, slot), (q, k, v), tangents)
 
+    # The kernel's tangent is XLA's by construction; the primal beside it is the kernel's.
+    assert cpu_kernels.ATTENTION_TARGET in jax.jit(tangent, static_argnums=0).lower(kernel_attention).as_text()
     (got, dgot), (want, dwant) = jax.jit(tangent, static_argnums=0)(kernel_attention), tangent(xla_attention)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(dgot), np.asarray(dwant), rtol=1e-5, atol=1e-6)

@@ -213,8 +213,8 @@ def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
     assert out["decode_vs_sustained_floor"] == pytest.approx((35 / 40 + 45 / 55) / 2)  # the steady pairs only
     assert out["decode_vs_sustained_floor_min"] == pytest.approx(45 / 55)
     assert out["sustained_gb_s_after"][1] == {"xla_matvec_rows": 50.0, "kernel_matvec": 55.0}
-    # Pooled, every pair counts: 12 tokens over 4/35 + 4/38 + 4/45 s, against 6 GB read at 40 GB/s three times and at
-    # 55 three times (1 GB per token).
+    # Pooled, every pair counts: 12 tokens over 4/35 + 4/38 + 4/45 s, against six reads of 4 GB, three at 40 GB/s and
+    # three at 55 (1 GB per token).
     decode = 12 / (4 / 35 + 4 / 38 + 4 / 45)
     assert out["pooled_floor_tok_s"] == pytest.approx(6 / (3 / 40 + 3 / 55))
     assert out["decode_vs_pooled_floor"] == pytest.approx(decode / (6 / (3 / 40 + 3 / 55)))

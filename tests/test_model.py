@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import attention_float64
 from flax import nnx
 
 from granite_jax import cpu_kernels
@@ -230,19 +231,6 @@ def test_only_float32_and_bfloat16_models_are_packed(tiny_checkpoint):
     assert packed > 0 and all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model, Packed)))
 
 
-def _attention_float64(q, k, v, query_slots, pad, scale):
-    """Masked softmax attention in float64 numpy: q (b, T, kv, rep, hd), k/v (b, kv, S, hd)."""
-    q, k, v = (np.asarray(t, np.float64) for t in (q, k, v))
-    slots = np.arange(k.shape[2])
-    mask = (slots[None, None, :] <= query_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
-    scores = np.einsum("btkrd,bksd->bkrts", q, k) * scale
-    scores = np.where(mask[:, None, None], scores, -np.inf)
-    with np.errstate(invalid="ignore"):  # padding queries see no key at all: NaN rows, never compared
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bkrts,bksd->btkrd", probs, v)
-
-
 @pytest.mark.parametrize("start, T", [(0, 5), (33, 1), (90, 7), (99, 1)])
 def test_blocked_cache_attention_equals_float64(start, T):
     # 100 slots in blocks of 16: the last block is shifted back and overlaps the one before it; row 1's padding
@@ -255,7 +243,7 @@ def test_blocked_cache_attention_equals_float64(start, T):
     query_slots = start + np.arange(T)
     pos = Positions(jnp.asarray(query_slots, jnp.int32), jnp.asarray(pad, jnp.int32))
     cache = KVState(jnp.asarray(k), jnp.asarray(v))
-    want = _attention_float64(q, k, v, query_slots, pad, 0.3)
+    want = attention_float64(q, k, v, query_slots, pad, 0.3)
     real = query_slots[None, :] >= pad[:, None]  # padding queries' outputs are unused
     # One query per row goes to cpu_kernels.decode_attention (a kernel on CPUs); XLA's blocks are checked too.
     for got in (
