@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import time
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from granite_jax import cpu_kernels
-    from granite_jax.experiments.common import ModelSpec, environment
+    from granite_jax.experiments.common import ModelSpec, environment, write_json
     from granite_jax.generate import Generator
 
     if not cpu_kernels.available():
@@ -142,9 +141,7 @@ def main(argv=None) -> int:
             median_xla_over_kernel=float(np.median(ratios)),
             environment=environment(),
         )
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        write_json(args.json, doc)
     return 0
 
 

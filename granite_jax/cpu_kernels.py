@@ -394,15 +394,21 @@ def _unsupported() -> str | None:
     return None
 
 
-def _cpu_flags() -> set[str]:
+def cpuinfo(field: str) -> str | None:
+    """The first value of `field` ("flags", "model name", ...) in Linux's /proc/cpuinfo; None elsewhere or if absent."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+        name, _, value = line.partition(":")
+        if name.strip() == field:
+            return value.strip()
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    return set((cpuinfo("flags") or "").split())
 
 
 def _uses_avx512() -> bool:

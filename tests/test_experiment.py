@@ -175,9 +175,8 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
     assert summary["paired_steady_pairs"] == len(steady)
     assert summary["decode_vs_sustained_floor"] == (pytest.approx(statistics.median(steady)) if steady else None)
     assert summary["decode_vs_sustained_floor_min"] == (min(steady) if steady else None)
-    reads = [max(r.values()) for r in summary["paired_sustained_gb_s_before"] + summary["paired_sustained_gb_s_after"]]
-    pooled = statistics.harmonic_mean(summary["paired_decode_tok_s"]) * summary["bytes_read_per_token"] / 1e9
-    assert summary["decode_vs_pooled_floor"] == pytest.approx(pooled / statistics.harmonic_mean(reads))
+    # The pooled figure's arithmetic has known-answer tests below; here, that it reaches the summary as a headline.
+    assert summary["decode_vs_pooled_floor"] > 0 and "paired_decode_vs_pooled_floor" not in summary
     assert open(os.path.join(out, "floor_pairs.png"), "rb").read(8) == PNG
 
 

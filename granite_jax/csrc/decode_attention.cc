@@ -29,7 +29,6 @@ namespace {
 constexpr int LANES = 8;
 constexpr int64_t BLOCK = 64;  // keys per online-softmax step: their scores stay in L1
 
-using granite::bf16;
 using granite::load8;
 using granite::to_float;
 
@@ -97,30 +96,18 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
     return ffi::Error::InvalidArgument(
         "decode_attention: expected q (b, kv, rep, d), k and v (b, kv, S, d) of one dtype, pad (b,) and slot ()");
   }
-  const bool wide = k.element_type() == ffi::DataType::F32;
-  if (!wide && k.element_type() != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument("decode_attention: k and v must be float32 or bfloat16");
-  }
   const int64_t B = qd[0], G = qd[1], R = qd[2], D = qd[3], S = kd[2];
   const int64_t hi = std::min<int64_t>(slot.typed_data()[0], S - 1);
   const int32_t* pads = pad.typed_data();
   const float* qs = q.typed_data();
   float* os = out->typed_data();
-  const char *ks = static_cast<const char*>(k.untyped_data()), *vs = static_cast<const char*>(v.untyped_data());
-  if (B * G == 0) return ffi::Error::Success();
-  granite::parallel_chunks(pool, B * G, [=](int64_t i) {
-    const int64_t lo = std::max<int64_t>(pads[i / G], 0), offset = i * S * D;
-    const float* qi = qs + i * R * D;
-    float* oi = os + i * R * D;
-    if (wide) {
-      attend_group(qi, reinterpret_cast<const float*>(ks) + offset, reinterpret_cast<const float*>(vs) + offset, oi,
-                   R, D, lo, hi, scale);
-    } else {
-      attend_group(qi, reinterpret_cast<const bf16*>(ks) + offset, reinterpret_cast<const bf16*>(vs) + offset, oi, R,
-                   D, lo, hi, scale);
-    }
+  return granite::with_typed(k, "decode_attention: k and v", [&](const auto* ks) {
+    const auto* vs = static_cast<decltype(ks)>(v.untyped_data());  // of k's dtype (checked above)
+    granite::parallel_chunks(pool, B * G, [=](int64_t i) {
+      const int64_t lo = std::max<int64_t>(pads[i / G], 0);
+      attend_group(qs + i * R * D, ks + i * S * D, vs + i * S * D, os + i * R * D, R, D, lo, hi, scale);
+    });
   });
-  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,6 +29,17 @@ inline float to_float(bf16 v) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// Calls body(data) with the buffer's data typed (float32 or bfloat16); other dtypes are an error naming `what`.
+template <typename Body>
+xla::ffi::Error with_typed(const xla::ffi::AnyBuffer& buffer, const char* what, Body body) {
+  switch (buffer.element_type()) {
+    case xla::ffi::DataType::F32: body(static_cast<const float*>(buffer.untyped_data())); break;
+    case xla::ffi::DataType::BF16: body(static_cast<const bf16*>(buffer.untyped_data())); break;
+    default: return xla::ffi::Error::InvalidArgument(std::string(what) + " must be float32 or bfloat16");
+  }
+  return xla::ffi::Error::Success();
 }
 
 inline float horizontal_sum(__m256 v) {

@@ -35,7 +35,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -328,16 +327,6 @@ void panels(const float* xt, const T* w, float* y, int64_t M, int64_t K, int64_t
   panel_steps<1>(xt, w, y, M, K, N, p, p1, K_BLOCK, acc, group<T>);
 }
 
-// Calls body(ws) with W's data typed (float32 or bfloat16); other dtypes are an error naming the kernel.
-template <typename Body>
-ffi::Error with_weights(const ffi::AnyBuffer& w, const char* kernel, Body body) {
-  switch (w.element_type()) {
-    case ffi::DataType::F32: body(static_cast<const float*>(w.untyped_data())); return ffi::Error::Success();
-    case ffi::DataType::BF16: body(static_cast<const bf16*>(w.untyped_data())); return ffi::Error::Success();
-    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": the weights must be float32 or bfloat16");
-  }
-}
-
 ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   auto x_dims = x.dimensions();
   auto w_dims = w.dimensions();
@@ -370,7 +359,7 @@ ffi::Error SmallMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
 #ifdef __AVX512F__
   chunk = (chunk + QUAD - 1) / QUAD * QUAD;  // whole quads of panels
 #endif
-  return with_weights(w, "small_matmul", [&](const auto* ws) {
+  return granite::with_typed(w, "small_matmul: the weights", [&](const auto* ws) {
     granite::parallel_chunks(pool, (P + chunk - 1) / chunk, [=](int64_t c) {
       panels(xts, ws, out, M, K, N, c * chunk, std::min(P, (c + 1) * chunk));
     });
@@ -392,7 +381,7 @@ ffi::Error MatVec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   }
   const float* xs = x.typed_data();
   const int64_t chunk = granite::chunk_length(pool, N, 8 * STREAMS, 2);
-  return with_weights(w, "matvec", [&](const auto* ws) {
+  return granite::with_typed(w, "matvec: the weights", [&](const auto* ws) {
     granite::parallel_chunks(pool, (N + chunk - 1) / chunk, [=](int64_t c) {
       matvec_rows(xs, ws, out, K, c * chunk, std::min(N, (c + 1) * chunk));
     });
@@ -449,7 +438,7 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const int64_t* run_experts = runs.data();
   const float* const* xs = xrows.data();
   float* const* ys = yrows.data();
-  ffi::Error status = with_weights(w, "expert_matvec", [&](const auto* ws) {
+  ffi::Error status = granite::with_typed(w, "expert_matvec: the weights", [&](const auto* ws) {
     granite::parallel_chunks(pool, num_runs * per_run, [=](int64_t item) {
       const int64_t e = run_experts[item / per_run], c = item % per_run;
       const int64_t first = starts[e], count = starts[e + 1] - first;

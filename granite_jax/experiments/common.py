@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from granite_jax import cpu_kernels
 from granite_jax.cli import load_config
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
 from granite_jax.model import Granite, count_params, weight_dtype
@@ -194,8 +195,6 @@ def sweep_lengths(seq_lens: Sequence[int] | None, seq_len: int, start: int = 256
 def environment() -> dict[str, Any]:
     import flax
 
-    from granite_jax import cpu_kernels
-
     device = jax.devices()[0]
     return dict(
         jax=jax.__version__,
@@ -214,14 +213,7 @@ def environment() -> dict[str, Any]:
 
 def cpu_model() -> str:
     """The CPU's model name (Linux's /proc/cpuinfo; elsewhere `platform.processor()`)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+    return cpu_kernels.cpuinfo("model name") or platform.processor()
 
 
 # ---------------------------------------------------------------------------------------------- output
