@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -192,6 +195,7 @@ def restore_model(
     graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))
+    _ignore_abandoned_reads()
     try:
         with _quiet_orbax(), _checkpointer() as ck:
             restored = ck.restore(os.path.join(d, STATE_DIR), target)
@@ -201,6 +205,50 @@ def restore_model(
         raise CheckpointError(f"{d}: cannot restore the orbax state for this config ({first})") from None
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
+
+
+def _ignore_abandoned_reads() -> None:
+    """Keep orbax's abandoned reads from printing tracebacks after a failed restore (installed once, narrowly).
+
+    When one array's read fails, orbax gives up on the others. Their coroutines are finalised unfinished, TensorStore's
+    callbacks find the event loop closed, and their tasks die with exceptions nobody retrieved. Python reports each
+    (through `sys.unraisablehook` and the `asyncio` logger) with a traceback and a TensorStore spec per tensor, around
+    the one-line error the commands print. Only those reports are dropped; every other goes where it went before.
+    """
+    if getattr(sys.unraisablehook, "granite_jax", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not _is_abandoned_read(unraisable):
+            previous(unraisable)
+
+    hook.granite_jax = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_is_not_abandoned_task)
+
+
+def _is_abandoned_read(unraisable) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    if code is not None:
+        return "orbax" in code.co_filename
+    frames = [f.name for f in traceback.extract_tb(unraisable.exc_traceback)]
+    closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    return closed and "call_soon_threadsafe" in frames
+
+
+def _is_not_abandoned_task(record: logging.LogRecord) -> bool:
+    """False for asyncio's "Task exception was never retrieved" (and its futures' variants) of an orbax read."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not ("exception was never retrieved" in record.getMessage() and _raised_in_orbax(error))
+
+
+def _raised_in_orbax(error: BaseException | None) -> bool:
+    while error is not None:
+        if any("orbax" in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _checkpointer():
