@@ -15,6 +15,7 @@ but without the marker is refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -195,9 +196,8 @@ def restore_model(
     graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))
-    _ignore_abandoned_reads()
     try:
-        with _quiet_orbax(), _checkpointer() as ck:
+        with _quiet_orbax(), _abandoned_reads_ignored(), _checkpointer() as ck:
             restored = ck.restore(os.path.join(d, STATE_DIR), target)
     except Exception as e:  # orbax raises ValueError/KeyError/FileNotFoundError with long messages
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -207,17 +207,20 @@ def restore_model(
     return nnx.merge(graphdef, state)
 
 
-def _ignore_abandoned_reads() -> None:
-    """Keep orbax's abandoned reads from printing tracebacks after a failed restore (installed once, narrowly).
+@contextlib.contextmanager
+def _abandoned_reads_ignored():
+    """Keep orbax's abandoned reads from printing tracebacks around a failed restore's one-line error.
 
     When one array's read fails, orbax gives up on the others. Their coroutines are finalised unfinished, TensorStore's
     callbacks find the event loop closed, and their tasks die with exceptions nobody retrieved. Python reports each
-    (through `sys.unraisablehook` and the `asyncio` logger) with a traceback and a TensorStore spec per tensor, around
-    the one-line error the commands print. Only those reports are dropped; every other goes where it went before.
+    (through `sys.unraisablehook` and the `asyncio` logger) with a traceback and a TensorStore spec per tensor, during
+    the restore and after it. So a hook and a logging filter that drop only those reports are installed for the
+    restore; when it fails they stay for the rest of the process, when it succeeds what was there before is put back.
     """
-    if getattr(sys.unraisablehook, "granite_jax", False):
+    if getattr(sys.unraisablehook, "granite_jax", False):  # still installed after an earlier failure
+        yield
         return
-    previous = sys.unraisablehook
+    previous, logger = sys.unraisablehook, logging.getLogger("asyncio")
 
     def hook(unraisable) -> None:
         if not _is_abandoned_read(unraisable):
@@ -225,30 +228,47 @@ def _ignore_abandoned_reads() -> None:
 
     hook.granite_jax = True
     sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_is_not_abandoned_task)
+    logger.addFilter(_is_not_abandoned_task)
+    yield  # a failed restore raises here, and the lines below do not run
+    if sys.unraisablehook is hook:
+        sys.unraisablehook = previous
+    logger.removeFilter(_is_not_abandoned_task)
 
 
 def _is_abandoned_read(unraisable) -> bool:
     code = getattr(unraisable.object, "cr_code", None)
     if code is not None:
-        return "orbax" in code.co_filename
-    frames = [f.name for f in traceback.extract_tb(unraisable.exc_traceback)]
+        return _in_orbax(code.co_filename)
     closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
-    return closed and "call_soon_threadsafe" in frames
+    frames = traceback.walk_tb(unraisable.exc_traceback)
+    return closed and any(frame.f_code.co_name == "call_soon_threadsafe" for frame, _ in frames)
 
 
 def _is_not_abandoned_task(record: logging.LogRecord) -> bool:
     """False for asyncio's "Task exception was never retrieved" (and its futures' variants) of an orbax read."""
     error = record.exc_info[1] if record.exc_info else None
-    return not ("exception was never retrieved" in record.getMessage() and _raised_in_orbax(error))
+    return error is None or not ("exception was never retrieved" in str(record.msg) and _raised_in_orbax(error))
 
 
 def _raised_in_orbax(error: BaseException | None) -> bool:
-    while error is not None:
-        if any("orbax" in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(_in_orbax(frame.f_code.co_filename) for frame, _ in traceback.walk_tb(error.__traceback__)):
             return True
         error = error.__cause__
     return False
+
+
+def _in_orbax(filename: str) -> bool:
+    return filename.startswith(_orbax_dir())
+
+
+@functools.cache
+def _orbax_dir() -> str:
+    import orbax.checkpoint
+
+    return os.path.dirname(os.path.dirname(orbax.checkpoint.__file__)) + os.sep
 
 
 def _checkpointer():

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +167,7 @@ def test_corrupt_orbax_state_is_one_line_exit_2(orbax_checkpoint, tmp_path):
     assert len(lines) == 1 and "cannot restore the orbax state" in lines[0], proc.stderr[-3000:]
 
 
-def test_orbax_restore_failure_is_one_clear_error(orbax_checkpoint, monkeypatch):
+def test_orbax_restore_failure_is_one_clear_error(orbax_checkpoint, monkeypatch, process_hooks):
     # The message orbax raises, trimmed to its first line without the TensorStore spec (as the CLIs print it).
     class Failing:
         def __enter__(self):
@@ -186,23 +188,63 @@ def test_orbax_restore_failure_is_one_clear_error(orbax_checkpoint, monkeypatch)
     assert "TensorStore details" not in str(info.value) and len(str(info.value).splitlines()) == 1
 
 
-def test_only_orbax_abandoned_reads_are_silenced(monkeypatch):
+@pytest.fixture
+def process_hooks(monkeypatch):
+    """sys.unraisablehook and the asyncio logger's filters, put back after the test; yields what the hook saw."""
+    gc.collect()  # earlier garbage, not this test's
     seen = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(repr(u.exc_value)))
-    checkpoint._ignore_abandoned_reads()
-    checkpoint._ignore_abandoned_reads()  # installed once
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u))
+    monkeypatch.setattr(logging.getLogger("asyncio"), "filters", [])
+    return seen
+
+
+def _asyncio_record(error: BaseException) -> logging.LogRecord:
+    record = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", (), None)
+    record.exc_info = (type(error), error, error.__traceback__)
+    return record
+
+
+def _raised_in(filename: str) -> BaseException:
+    code = compile("def fail():\n    raise ValueError('read failed')\n", filename, "exec")
+    scope = {}
+    exec(code, scope)
+    try:
+        scope["fail"]()
+    except ValueError as e:
+        return e
+
+
+def test_abandoned_read_filters_are_narrow(process_hooks):
+    orbax_file = os.path.join(checkpoint._orbax_dir(), "checkpoint", "somewhere.py")
+    with pytest.raises(RuntimeError), checkpoint._abandoned_reads_ignored():
+        hook = sys.unraisablehook
+        with checkpoint._abandoned_reads_ignored():  # nested or repeated: installed once
+            assert sys.unraisablehook is hook
+        raise RuntimeError("the restore failed")
+    assert sys.unraisablehook is hook  # kept after a failure: the abandoned reads report later
 
     class Finaliser:
         def __del__(self):
             raise RuntimeError("Event loop is closed")  # the same message, not from asyncio's call_soon_threadsafe
 
     Finaliser()
-    assert seen == ["RuntimeError('Event loop is closed')"]
-    try:
-        raise ValueError("not orbax")
-    except ValueError:
-        record = logging.LogRecord(
-            "asyncio", logging.ERROR, __file__, 1, "Task exception was never retrieved", (), None
-        )
-        record.exc_info = sys.exc_info()
-    assert logging.getLogger("asyncio").filter(record)  # kept: the exception was not raised in orbax
+    assert [repr(u.exc_value) for u in process_hooks] == ["RuntimeError('Event loop is closed')"]
+    coroutine = types.SimpleNamespace(cr_code=types.SimpleNamespace(co_filename=orbax_file))
+    assert checkpoint._is_abandoned_read(types.SimpleNamespace(object=coroutine, exc_value=None, exc_traceback=None))
+    coroutine.cr_code.co_filename = __file__
+    assert not checkpoint._is_abandoned_read(
+        types.SimpleNamespace(object=coroutine, exc_value=None, exc_traceback=None)
+    )
+
+    asyncio_log = logging.getLogger("asyncio")
+    assert not asyncio_log.filter(_asyncio_record(_raised_in(orbax_file)))  # dropped
+    assert asyncio_log.filter(_asyncio_record(_raised_in(__file__)))  # kept: not raised in orbax
+    looped = _raised_in(__file__)
+    looped.__cause__ = looped
+    assert asyncio_log.filter(_asyncio_record(looped))
+
+
+def test_a_successful_restore_leaves_the_hooks_as_they_were(orbax_checkpoint, process_hooks):
+    hook = sys.unraisablehook
+    load_model(orbax_checkpoint)
+    assert sys.unraisablehook is hook and logging.getLogger("asyncio").filters == []
