@@ -8,8 +8,8 @@ for the same prompt: one with `cpu_kernels.decode_attention`'s kernel, the other
 (`model._attend_blocks`; the kernel is chosen when the step is lowered, and turned off here while the second one
 compiles). Each prefills the prompt once; then every round times --steps decode steps of each in the order kernel,
 XLA, XLA, kernel, and takes XLA's two times over the kernel's: the machine's drift within a round weighs on both
-alike. Each step adds a slot to the context, the same number for both. Prints each
-round and the median (with --json, a JSON document).
+alike. Each step adds a slot to the context, the same number for both. Prints each round and the median (with
+--json, a JSON document).
 """
 
 from __future__ import annotations

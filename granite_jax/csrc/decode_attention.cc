@@ -9,8 +9,9 @@
 // 32K filled slots (benchmarks/cpu_kernels.py --parts attention). It reads the cache below the memory bandwidth
 // (13-26 GB/s), yet the plainest loops measured fastest: scoring eight keys at a time (their sums by one transpose)
 // ran at about half the speed, with or without the partial outputs kept in registers; prefetching the keys and values
-// eight rows ahead, and independent accumulators for two keys and every query, did not help. The (b, g) pairs are split between the calling thread and XLA's pool (parallel.h). k and v are
-// float32 or bfloat16 (widened in registers, exactly).
+// eight rows ahead, and independent accumulators for two keys and every query, did not help. The (b, g) pairs are
+// split between the calling thread and XLA's pool (parallel.h). k and v are float32 or bfloat16 (widened in
+// registers, exactly).
 #include <immintrin.h>
 
 #include <algorithm>
