@@ -53,8 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         default=None,
         help="keep granite-jax's weights in this dtype instead (bfloat16 with --dtype float32: float32 arithmetic on "
-        "bfloat16 weights; transformers reads the same values when the weights are random or stored in bfloat16; "
-        "None: --dtype)",
+        "bfloat16 weights; transformers reads the same values; None: --dtype)",
     )
     p.add_argument(
         "--repeats", type=positive_int, default=2, help="timed runs per measurement, after a warm-up (best kept)"

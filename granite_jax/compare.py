@@ -56,7 +56,8 @@ from granite_jax.experiments.common import (
     write_json,
 )
 from granite_jax.model import Granite, with_dtype
-from granite_jax.params import CheckpointError
+from granite_jax.model import weight_dtype as model_weight_dtype
+from granite_jax.params import CheckpointError, stored_dtype
 from granite_jax.sampling import GenerationError
 
 PROMPTS = (
@@ -97,8 +98,9 @@ def load_pair(
     ssd_impl: str = "xla",
     torch_device: str = "cpu",
 ) -> Pair:
-    """Load `spec` into granite-jax, then the same weights into transformers (exported if not a HF directory) on
-    `torch_device`, both computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
+    """Load `spec` into granite-jax, then the same weights into transformers (see `hf_model`) on `torch_device`, both
+    computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
+    check_same_weights(dtype, weight_dtype)
     quiet_transformers()
     model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
     hf = hf_model(model, spec.checkpoint, dtype).to(torch_device)
@@ -109,6 +111,7 @@ def load_pair(
 
 def load_workload_pair(spec: ModelSpec, workload: Any) -> Pair:
     """`load_pair` as an experiment's workload section asks: dtype, weight_dtype, ssd_impl and torch_device."""
+    check_same_weights(workload.dtype, workload.weight_dtype, ("workload.dtype", "workload.weight_dtype"))
     return load_pair(
         spec,
         dtype=workload.dtype,
@@ -118,16 +121,31 @@ def load_workload_pair(spec: ModelSpec, workload: Any) -> Pair:
     )
 
 
+def check_same_weights(dtype: str, weight_dtype: str | None, names: tuple[str, str] = ("dtype", "weight_dtype")):
+    """ExperimentError (naming the two settings) where granite-jax would keep weights that `dtype` cannot hold exactly
+    (wider, or float16 under bfloat16): transformers computes in `dtype` on the weights rounded to it, so the two
+    would not compare the same weights."""
+    if weight_dtype not in (None, dtype) and jnp.finfo(dtype).bits <= jnp.finfo(weight_dtype).bits:
+        raise ExperimentError(
+            f"{names[1]} {weight_dtype} with {names[0]} {dtype}: transformers would run on the weights rounded to "
+            f"{dtype}, so the two would not compare the same weights; leave {names[1]} unset or set {names[0]} "
+            f"{weight_dtype}"
+        )
+
+
 def hf_model(model: Granite, checkpoint: str | None, dtype: str):
-    """transformers' model with the weights of `model`: read from `checkpoint` if it is a HF directory, else exported
-    to a temporary HF directory first."""
+    """transformers' model, computing in `dtype`, with the weights of `model`: read from `checkpoint` if it is a HF
+    directory that gives the same values in `dtype` (the model's weights are in `dtype`, or in the dtype the checkpoint
+    stores), else exported from `model` to a temporary HF directory first (e.g. float32 arithmetic on bfloat16 weights
+    of a float32 checkpoint: transformers gets the rounded values)."""
     import torch
     from transformers import GraniteMoeHybridForCausalLM
 
     from granite_jax.convert import export_safetensors
 
     torch_dtype = getattr(torch, dtype)
-    if checkpoint and not is_orbax_checkpoint(checkpoint):
+    hf_directory = checkpoint and not is_orbax_checkpoint(checkpoint)
+    if hf_directory and model_weight_dtype(model) in (dtype, stored_dtype(checkpoint)):
         return GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
     tmp = tempfile.mkdtemp(prefix="granite-jax-export-")
     try:
@@ -547,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--weight-dtype",
         choices=("float32", "bfloat16"),
         help="granite-jax's weights (default: --dtype); bfloat16 with --dtype float32 computes in float32 on the "
-        "weights as stored, half the memory; transformers still runs in --dtype",
+        "weights as stored, half the memory; transformers still runs in --dtype, on the same values (no wider than "
+        "--dtype)",
     )
     p.add_argument("--ssd-impl", default="xla", choices=("xla", "naive", "pallas"), help="granite-jax SSD (xla)")
     p.add_argument(
@@ -591,6 +610,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise ExperimentError(f"--new-tokens: must be >= 2 (the first token is prefill's), got {args.new_tokens}")
     if args.seed < 0:
         raise ExperimentError(f"--seed: must be >= 0, got {args.seed}")
+    check_same_weights(args.dtype, args.weight_dtype, ("--dtype", "--weight-dtype"))
     return Options(
         error_len=args.error_len,
         agreement_tokens=args.agreement_tokens,

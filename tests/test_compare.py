@@ -77,6 +77,33 @@ def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path
     assert results["greedy"]["fraction"] == 1.0
 
 
+def test_bfloat16_weights_of_a_float32_checkpoint_give_transformers_the_rounded_values(tiny_checkpoint, tmp_path):
+    # The checkpoint stores float32; granite-jax keeps its weights rounded to bfloat16, so transformers must get those
+    # values (exported), not the checkpoint's: read from the checkpoint, they differed by ~2e-3 (relative).
+    out = tmp_path / "out"
+    argv = ["--model", tiny_checkpoint, "--weight-dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
+    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "8"]) == 0
+    results = json.loads((out / "compare.json").read_text())
+    assert results["summary"]["weight_dtype"] == "bfloat16"
+    assert all(row["rel_err"] <= 1e-5 for row in results["layer_errors"]), results["layer_errors"]
+
+
+def test_weights_that_dtype_cannot_hold_are_refused(tmp_path, capsys):
+    # transformers would compute on the weights rounded to --dtype, granite-jax on the wider ones: not one model.
+    out = tmp_path / "out"
+    argv = ["--config", "tiny", "--dtype", "bfloat16", "--weight-dtype", "float32", "--out", str(out), "--quiet"]
+    assert compare.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "granite_jax.compare: error: --weight-dtype float32 with --dtype bfloat16: transformers would run on the "
+        "weights rounded to bfloat16, so the two would not compare the same weights; leave --weight-dtype unset or "
+        "set --dtype float32"
+    )
+    assert not out.exists()
+    with pytest.raises(compare.ExperimentError, match="^weight_dtype float16 with dtype bfloat16: "):
+        compare.load_pair(ModelSpec(name="tiny"), dtype="bfloat16", weight_dtype="float16")
+
+
 def test_bfloat16_rows_set_each_side_beside_float32(tmp_path):
     # In bfloat16 the two differ by their rounding: each row also sets each side against granite-jax in float32 on the
     # same weights. Recomputed here from the same weights (seed 0) and prompts: the reference is float32 arithmetic

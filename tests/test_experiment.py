@@ -300,6 +300,10 @@ def test_bad_workload_values_rejected(tmp_path):
     with pytest.raises(ExperimentError, match="workload.weight_dtype must be one of .*, got 'int4'"):
         experiment.run(config)
     config = load("configs/experiments/parity.py", "quick")
+    config.workload.dtype, config.workload.weight_dtype = "bfloat16", "float32"
+    with pytest.raises(ExperimentError, match="^workload.weight_dtype float32 with workload.dtype bfloat16: "):
+        experiment.run(config)
+    config = load("configs/experiments/parity.py", "quick")
     config.model.checkpoint = str(tmp_path / "missing")
     config.model.num_layers = 2
     with pytest.raises(ExperimentError, match="num_layers applies to random weights only"):

@@ -294,7 +294,8 @@ def default_config(experiment: str):
             new_tokens=32,
             dtype="float32",
             # granite-jax's weights (None: dtype); bfloat16 under dtype float32 computes in float32 on the weights
-            # as stored (half the weight memory; transformers still runs in dtype)
+            # as stored (half the weight memory; transformers still runs in dtype, on the same values, so a
+            # weight_dtype that dtype cannot hold is refused where transformers runs)
             weight_dtype=config_dict.placeholder(str),
             ssd_impl="xla",
             rewriter=False,  # run granite-jax's forward through rewriter.rewrite
