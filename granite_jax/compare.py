@@ -144,12 +144,13 @@ def hf_model(model: Granite, checkpoint: str | None, dtype: str):
     from granite_jax.convert import export_safetensors
 
     torch_dtype = getattr(torch, dtype)
+    weights = model_weight_dtype(model)
     hf_directory = checkpoint and not is_orbax_checkpoint(checkpoint)
-    if hf_directory and model_weight_dtype(model) in (dtype, stored_dtype(checkpoint)):
+    if hf_directory and weights in (dtype, stored_dtype(checkpoint)):
         return GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
     tmp = tempfile.mkdtemp(prefix="granite-jax-export-")
-    try:
-        export_safetensors(model, tmp, dtype=dtype)
+    try:  # written in the weights' own dtype (exact: `check_same_weights`), widened to `dtype` by from_pretrained
+        export_safetensors(model, tmp, dtype=weights if isinstance(weights, str) else dtype)
         return GraniteMoeHybridForCausalLM.from_pretrained(tmp, dtype=torch_dtype).eval()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
