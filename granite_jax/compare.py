@@ -124,8 +124,12 @@ def load_workload_pair(spec: ModelSpec, workload: Any) -> Pair:
 def check_same_weights(dtype: str, weight_dtype: str | None, names: tuple[str, str] = ("dtype", "weight_dtype")):
     """ExperimentError (naming the two settings) where granite-jax would keep weights that `dtype` cannot hold exactly
     (wider, or float16 under bfloat16): transformers computes in `dtype` on the weights rounded to it, so the two
-    would not compare the same weights."""
-    if weight_dtype not in (None, dtype) and jnp.finfo(dtype).bits <= jnp.finfo(weight_dtype).bits:
+    would not compare the same weights. Names that are not float dtypes are left to `ModelSpec.load` to report."""
+    try:
+        rounded = weight_dtype not in (None, dtype) and jnp.finfo(dtype).bits <= jnp.finfo(weight_dtype).bits
+    except (TypeError, ValueError):
+        return
+    if rounded:
         raise ExperimentError(
             f"{names[1]} {weight_dtype} with {names[0]} {dtype}: transformers would run on the weights rounded to "
             f"{dtype}, so the two would not compare the same weights; leave {names[1]} unset or set {names[0]} "

@@ -102,6 +102,8 @@ def test_weights_that_dtype_cannot_hold_are_refused(tmp_path, capsys):
     assert not out.exists()
     with pytest.raises(compare.ExperimentError, match="^weight_dtype float16 with dtype bfloat16: "):
         compare.load_pair(ModelSpec(name="tiny"), dtype="bfloat16", weight_dtype="float16")
+    with pytest.raises(compare.ExperimentError, match="weight_dtype must be one of .*, got 'int4'"):
+        compare.load_pair(ModelSpec(name="tiny"), weight_dtype="int4")
 
 
 def test_bfloat16_rows_set_each_side_beside_float32(tmp_path):
