@@ -98,11 +98,20 @@ def test_matches_float64(rows, k, n, dtype):
     assert_close_to_float64(got, *float64_product(x, w), k, dtype)
 
 
-# One row, on w as it is: K with and without whole vectors of 8, N from one row to several thread chunks with rows
-# left over after the four streams of a chunk, the tied head's shape.
+# One row, on w as it is: K with and without whole vectors of 8 and whole cache lines (43: lines, a vector and three
+# left over), N from one row to several thread chunks with rows left over after the four streams of a chunk, the tied
+# head's shape.
 @pytest.mark.parametrize(
     "rows,k,n",
-    [((1,), 1, 1), ((1,), 7, 3), ((1, 1), 8, 33), ((1,), 15, 129), ((1,), 768, 1001), ((1,), 64, 100352)],
+    [
+        ((1,), 1, 1),
+        ((1,), 7, 3),
+        ((1, 1), 8, 33),
+        ((1,), 15, 129),
+        ((1,), 43, 77),
+        ((1,), 768, 1001),
+        ((1,), 64, 100352),
+    ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @needs_kernel
