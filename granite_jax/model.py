@@ -39,7 +39,9 @@ KV_BLOCK, DECODE_KV_BLOCK = 512, 256
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MambaState:
-    conv: Array  # (b, K-1, conv_dim): the last K-1 pre-activation conv inputs, in the activation dtype
+    conv: Array  # (b, K, conv_dim): the last pre-activation conv inputs, in the activation dtype, as a ring: the
+    # input of slot t at t mod K, so that a decode step writes one entry in place (`conv_step`); the K-1 before the
+    # next slot are read, the other is stale
     ssm: Array  # (b, h, p, n) float32
 
 
@@ -64,7 +66,7 @@ class Cache:
         layers = []
         for kind in cfg.layer_types:
             if kind == MAMBA:
-                conv = jnp.zeros((batch, cfg.mamba_d_conv - 1, cfg.mamba_conv_dim), dtype)
+                conv = jnp.zeros((batch, cfg.mamba_d_conv, cfg.mamba_conv_dim), dtype)
                 ssm_shape = (batch, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
                 layers.append(MambaState(conv, jnp.zeros(ssm_shape, jnp.float32)))
             else:
@@ -164,6 +166,32 @@ class GatedRMSNorm(nnx.Module):
 # ---------------------------------------------------------------------------------------------- Mamba-2 mixer
 
 
+def conv_step(x: Array, ring: Array, slot: Array | int, weight: Array, bias: Array | None) -> tuple[Array, Array]:
+    """`causal_conv` of one token x (b, 1, C) at `slot` on a ring of inputs (`MambaState.conv`): (out, new ring).
+
+    x is written over the oldest entry first, in place, and the conv reads the updated ring, as attention reads the
+    updated KV cache: a shifted copy of the history, or reads of the old ring beside the update, made XLA copy every
+    layer's conv state at each decode step. The taps are summed in `causal_conv`'s order, oldest first."""
+    K = ring.shape[1]
+    ring = lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), slot % K, axis=1)
+    w = weight.astype(jnp.float32)
+    taps = (lax.dynamic_index_in_dim(ring, (slot + 1 + k) % K, axis=1).astype(x.dtype) for k in range(K))
+    out = sum(tap.astype(jnp.float32) * w[k] for k, tap in enumerate(taps))
+    return (out if bias is None else out + bias.astype(jnp.float32)), ring
+
+
+def ring_history(ring: Array, slot: Array | int) -> Array:
+    """The K-1 inputs before `slot` (b, K-1, C), oldest first, from a ring of K (`MambaState.conv`)."""
+    return jnp.roll(ring, -(slot % ring.shape[1]), axis=1)[:, 1:]  # slots slot-K (stale) .. slot-1, then the K-1
+
+
+def history_ring(history: Array, slot: Array | int) -> Array:
+    """`ring_history`'s inverse: the ring of K for the K-1 inputs (b, K-1, C) before `slot` (its stale entry zero)."""
+    stale = jnp.zeros((history.shape[0], 1, history.shape[2]), history.dtype)
+    timed = jnp.concatenate([stale, history], axis=1)  # slots slot-K .. slot-1
+    return jnp.roll(timed, slot % timed.shape[1], axis=1)
+
+
 def causal_conv(x: Array, history: Array, weight: Array, bias: Array | None) -> tuple[Array, Array]:
     """Depthwise causal conv over time. x (b, T, C), history (b, K-1, C), weight (K, C). Returns (out, new history)."""
     K, T = weight.shape[0], x.shape[1]
@@ -195,17 +223,16 @@ class MambaMixer(nnx.Module):
         self.out_proj = Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear)
 
     def __call__(
-        self, x: Array, token_mask: Array | None = None, state: MambaState | None = None
+        self, x: Array, token_mask: Array | None = None, state: MambaState | None = None, slot: Array | int = 0
     ) -> tuple[Array, MambaState]:
+        """x (b, T, H) at slots [slot, slot + T), from `state` (None: from scratch) -> (out, new state)."""
         cfg = self.cfg
         b, T, _ = x.shape
         h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
         keep = (lambda t: t) if token_mask is None else (lambda t: t * token_mask[..., None].astype(t.dtype))
 
         z, xBC, dt = jnp.split(self.in_proj(keep(x)), [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
-        history = jnp.zeros((b, cfg.mamba_d_conv - 1, cfg.mamba_conv_dim), xBC.dtype) if state is None else state.conv
-        conv_bias = None if self.conv_bias is None else self.conv_bias[...]
-        xBC, new_history = causal_conv(xBC, history, self.conv_weight[...], conv_bias)
+        xBC, ring = self._conv(xBC, None if state is None else state.conv, slot)
         # The SSD's x, B, C in the model's dtype, as transformers' conv1d returns them: bfloat16 models give the Pallas
         # kernels bfloat16 tiles (float32 inputs cost them 3xTF32 products, 3.3x the time at h-tiny dims on an H200).
         xs, B, C = jnp.split(keep(jax.nn.silu(xBC)).astype(self.dtype), [h * p, h * p + g * n], -1)
@@ -222,7 +249,19 @@ class MambaMixer(nnx.Module):
             initial = None if state is None else state.ssm
             y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=initial, impl=cfg.ssd_impl)
         out = self.out_proj(self.norm(y.reshape(b, T, h * p), z, self.dtype))
-        return out, MambaState(new_history.astype(history.dtype), ssm)
+        return out, MambaState(ring, ssm)
+
+    def _conv(self, xBC: Array, ring: Array | None, slot: Array | int) -> tuple[Array, Array]:
+        """The causal conv of xBC (b, T, conv_dim) at slots [slot, slot + T) after the inputs in `ring` (None: zeros),
+        and the ring after them."""
+        b, T, _ = xBC.shape
+        if ring is None:
+            ring = jnp.zeros((b, self.cfg.mamba_d_conv, self.cfg.mamba_conv_dim), xBC.dtype)
+        conv_bias = None if self.conv_bias is None else self.conv_bias[...]
+        if T == 1:
+            return conv_step(xBC, ring, slot, self.conv_weight[...], conv_bias)
+        out, history = causal_conv(xBC, ring_history(ring, slot), self.conv_weight[...], conv_bias)
+        return out, history_ring(history, slot + T).astype(ring.dtype)
 
     def _decode_step(self, state, x, dt, A, B, C, D):
         if self.cfg.ssd_impl == "pallas":
@@ -418,7 +457,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x: Array, pos: Positions, state):
         h = self.input_layernorm(x)
         if self.mamba is not None:
-            h, state = self.mamba(h, pos.token_mask, state)
+            h, state = self.mamba(h, pos.token_mask, state, pos.query_slots[0])
         else:
             h, state = self.self_attn(h, pos, state)
         x = x + h * self.residual_multiplier

