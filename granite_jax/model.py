@@ -171,13 +171,11 @@ def conv_step(x: Array, ring: Array, slot: Array | int, weight: Array, bias: Arr
 
     x is written over the oldest entry first, in place, and the conv reads the updated ring, as attention reads the
     updated KV cache: a shifted copy of the history, or reads of the old ring beside the update, made XLA copy every
-    layer's conv state at each decode step. The taps are summed in `causal_conv`'s order, oldest first."""
+    layer's conv state at each decode step. The taps are summed as in `causal_conv` (`weighted_taps`)."""
     K = ring.shape[1]
     ring = lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), slot % K, axis=1)
-    w = weight.astype(jnp.float32)
-    taps = (lax.dynamic_index_in_dim(ring, (slot + 1 + k) % K, axis=1).astype(x.dtype) for k in range(K))
-    out = sum(tap.astype(jnp.float32) * w[k] for k, tap in enumerate(taps))
-    return (out if bias is None else out + bias.astype(jnp.float32)), ring
+    taps = [lax.dynamic_index_in_dim(ring, (slot + 1 + k) % K, axis=1).astype(x.dtype) for k in range(K)]
+    return weighted_taps(taps, weight, bias), ring
 
 
 def ring_history(ring: Array, slot: Array | int) -> Array:
@@ -192,15 +190,18 @@ def history_ring(history: Array, slot: Array | int) -> Array:
     return jnp.roll(timed, slot % timed.shape[1], axis=1)
 
 
+def weighted_taps(taps: list[Array], weight: Array, bias: Array | None) -> Array:
+    """sum_k taps[k] * weight[k] (+ bias) in float32, oldest tap first: the depthwise conv of K shifted inputs."""
+    w = weight.astype(jnp.float32)
+    out = sum(tap.astype(jnp.float32) * w[k] for k, tap in enumerate(taps))
+    return out if bias is None else out + bias.astype(jnp.float32)
+
+
 def causal_conv(x: Array, history: Array, weight: Array, bias: Array | None) -> tuple[Array, Array]:
     """Depthwise causal conv over time. x (b, T, C), history (b, K-1, C), weight (K, C). Returns (out, new history)."""
     K, T = weight.shape[0], x.shape[1]
     padded = jnp.concatenate([history.astype(x.dtype), x], axis=1)  # (b, K-1+T, C)
-    w = weight.astype(jnp.float32)
-    out = sum(padded[:, k : k + T].astype(jnp.float32) * w[k] for k in range(K))
-    if bias is not None:
-        out = out + bias.astype(jnp.float32)
-    return out, padded[:, T:]
+    return weighted_taps([padded[:, k : k + T] for k in range(K)], weight, bias), padded[:, T:]
 
 
 class MambaMixer(nnx.Module):
