@@ -60,6 +60,7 @@ MATVEC_TARGET = "granite_matvec"
 EXPERT_TARGET = "granite_expert_matvec"
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
 WIDEN_TARGET = "granite_widen"
+TAKE_TARGET = "granite_take_rows"
 SSM_TARGET = "granite_ssm_update_f32"
 ATTENTION_TARGET = "granite_decode_attention"
 SOURCES = tuple(
@@ -138,6 +139,33 @@ def _widen(x: Array, w: Array) -> Array:
 @_widen.defjvp
 def _widen_jvp(primals, tangents):  # linear in w, constant in x
     return _widen(*primals), tangents[1].astype(jnp.float32)
+
+
+def take_rows(table: Array, ids: Array) -> Array:
+    """table[ids] in float32 for a (V, H) table and integer ids (...): (..., H), rows of NaN for ids outside [0, V).
+    On CPUs with the kernels a bfloat16 table is read by a kernel: XLA:CPU widens the whole table to gather from it,
+    which a loop of decode steps hoists out of its body, a float32 copy of the table per call."""
+    ids = ids.astype(jnp.int32)
+    if table.dtype == jnp.bfloat16 and available():
+        return lax.platform_dependent(table, ids, cpu=_take_kernel, default=_take_xla)
+    return _take_xla(table, ids)
+
+
+def _take_xla(table: Array, ids: Array) -> Array:
+    ids = jnp.where(ids < 0, table.shape[0], ids)  # past the end: `take` would wrap negative ids around (-1: last row)
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(jnp.float32)
+
+
+@jax.custom_jvp
+def _take_kernel(table: Array, ids: Array) -> Array:
+    out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(TAKE_TARGET, out, vmap_method="sequential")(ids, table)
+
+
+@_take_kernel.defjvp
+def _take_kernel_jvp(primals, tangents):  # linear in the table: XLA's gather of its tangent, which JAX can transpose
+    table, ids = primals
+    return _take_kernel(table, ids), _take_xla(tangents[0], ids)
 
 
 def expert_linear(x: Array, w: Array, experts: Array) -> Array:
@@ -369,7 +397,7 @@ def _build_and_register() -> str | None:
             detail = (e.stderr or "").strip().splitlines()[-1:]
             log.warning("granite_jax.cpu_kernels: the AVX-512 build failed (%s); building for AVX2", *detail or ["?"])
             library = ctypes.CDLL(str(_compiled_library(FLAGS)))
-        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, SSM_TARGET, ATTENTION_TARGET):
+        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, TAKE_TARGET, SSM_TARGET, ATTENTION_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
         _LIBRARY.append(library)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:

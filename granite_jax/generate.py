@@ -7,8 +7,10 @@ How a request runs (`Generator.generate`):
 - Prompts are tokenized (optionally through the chat template), right-aligned in a batch of `bucket_length` slots
   (left padding: `pad[b]` slots before row b's first token) and prefilled in segments of at most `prefill_chunk`
   tokens. Each segment is one call of a jitted `forward` that carries the conv, SSM and KV state in the `Cache`.
-- The decode step is one jitted call per token: forward one token per row, sample on device, return the cache
-  (donated, so the KV cache is updated in place) and the new ids (b,), the only thing copied to the host.
+- The decode step forwards one token per row, samples on device and returns the cache (donated, so the KV cache is
+  updated in place) and the new ids (b,), the only thing copied to the host. One sequence takes one jitted call per
+  token, queued before the previous token is read (streaming); a batch takes `DECODE_CHUNK` steps per call, a loop on
+  device, so that the host's dispatch (~2.5 ms for ~440 buffers) stalls the cores once per chunk, not per token.
 - Shapes are bucketed so that compilation is bounded: prompt lengths round up to powers of two (>= 16) up to
   `prefill_chunk`, then to multiples of it; KV-cache lengths round up to `min_cache_len`, powers of two, then
   multiples of 16384. The decode step therefore compiles once per (batch size, cache bucket): once per batch size
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from granite_jax import cli, cpu_kernels
 from granite_jax.config import ATTENTION, SSD_IMPLS, ConfigError, ModelConfig
@@ -228,6 +231,24 @@ def _decode_step(graphdef, treedef, weights, cache: Cache, tokens, params: Sampl
     logits, cache, _ = model.forward(tokens[:, None], cache=cache)
     logits = logits[:, 0].astype(jnp.float32)
     return logits, sample_tokens(logits, params, step), cache
+
+
+DECODE_CHUNK = 4  # decode steps per call for batches of 2 or more (batch 8 on 2 cores: 1.03-1.05x 1 per call)
+
+
+def _decode_steps(graphdef, treedef, weights, cache: Cache, tokens, params: SamplerParams, step, count, *, chunk: int):
+    """`count` (<= chunk) decode steps from `tokens` (b,) at token index `step`: the ids (chunk, b), rows past `count`
+    zero; the last ids (b,); the cache. Each step is `_decode_step` with its own index, so sampling draws as one call
+    per token does."""
+
+    def body(i, carry):
+        cache, tokens, out = carry
+        _, tokens, cache = _decode_step(graphdef, treedef, weights, cache, tokens, params, step + i)
+        return cache, tokens, out.at[i].set(tokens)
+
+    out = jnp.zeros((chunk, tokens.shape[0]), jnp.int32)
+    cache, tokens, out = lax.fori_loop(0, count, body, (cache, tokens, out))
+    return out, tokens, cache
 
 
 def abstract_steps(
@@ -672,14 +693,19 @@ class Generator:
         cache = self._abstract_cache(layout)
         return self._executable("prefill", (b, t, layout.cache_len), _prefill_segment, cache, tokens, params, step)
 
-    def _compile_decode(self, layout: BatchLayout, params: SamplerParams):
+    def _compile_decode(self, layout: BatchLayout, params: SamplerParams, chunk: int = 1):
+        """One decode step (cache, tokens, params, step) -> (logits, tokens, cache), or with chunk > 1
+        `_decode_steps` (cache, tokens, params, step, count) -> (ids (chunk, b), tokens, cache)."""
         b = layout.batch_size
         tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
         step = jax.ShapeDtypeStruct((), jnp.int32)
         cache = self._abstract_cache(layout)
         packed = cpu_kernels.MIN_ROWS <= b <= cpu_kernels.MAX_ROWS  # the products the packed copies are for
-        key = (b, layout.cache_len)
-        return self._executable("decode", key, _decode_step, cache, tokens, params, step, packed=packed)
+        key = (b, layout.cache_len, chunk)
+        if chunk == 1:
+            return self._executable("decode", key, _decode_step, cache, tokens, params, step, packed=packed)
+        fn = functools.partial(_decode_steps, chunk=chunk)
+        return self._executable("decode", key, fn, cache, tokens, params, step, step, packed=packed)
 
     def _prefill(self, prompt_ids, layout: BatchLayout, params: SamplerParams):
         run = self._compile_prefill(layout, params)
@@ -697,31 +723,36 @@ class Generator:
         t0 = time.perf_counter()
         self._compile_cache(layout)
         self._compile_prefill(layout, params)
-        decode = self._compile_decode(layout, params) if layout.max_new_tokens > 1 else None
+        # One sequence: one step per call, each queued before the tokens of the one ahead of it are read, so that the
+        # host's work (dispatching ~440 buffers takes 2-4 ms here, then detokenizing) overlaps a step bound by memory;
+        # a stop is seen one step late, and that step is wasted. A batch: DECODE_CHUNK steps per call, read before the
+        # next is queued, which keeps the host off the cores the batch's arithmetic needs (overlapped, batch 8 was
+        # 0.94x the speed on 2 cores; docs/generation.md); a stop wastes the rest of its chunk.
+        overlap = layout.batch_size == 1
+        chunk = 1 if overlap else DECODE_CHUNK
+        decode = self._compile_decode(layout, params, chunk) if layout.max_new_tokens > 1 else None
         t1 = time.perf_counter()
         _, tokens, cache = self._prefill(prompt_ids, layout, params)
         self._push(rows, np.asarray(tokens))
         t2 = time.perf_counter()
         steps = produced = 0
-        # One sequence: each step is queued before the tokens of the one ahead of it are read, so that the host's work
-        # (dispatching ~440 buffers takes 3-4 ms here, then detokenizing) overlaps a step bound by memory; a stop is
-        # seen one step late, and that step is wasted. Batched steps keep the host off the cores their arithmetic
-        # needs: overlapped, batch 8 was 0.94x the speed on 2 cores, batch 1 1.05x (docs/generation.md).
-        overlap = layout.batch_size == 1
         in_flight = None
-        for step in range(1, layout.max_new_tokens):
-            if all(row.done for row in rows):
-                break
-            _, tokens, cache = decode(cache, tokens, params, np.int32(step))
-            steps += 1
+        while steps + 1 < layout.max_new_tokens and not all(row.done for row in rows):
+            if chunk == 1:
+                _, tokens, cache = decode(cache, tokens, params, np.int32(steps + 1))
+                ids, count = tokens[None], 1
+            else:
+                count = min(chunk, layout.max_new_tokens - 1 - steps)
+                ids, tokens, cache = decode(cache, tokens, params, np.int32(steps + 1), np.int32(count))
+            steps += count
             if in_flight is not None:
-                produced += self._push(rows, np.asarray(in_flight))
-            in_flight = tokens
+                produced += self._push_steps(rows, *in_flight)
+            in_flight = ids, count
             if not overlap:
-                produced += self._push(rows, np.asarray(in_flight))
+                produced += self._push_steps(rows, *in_flight)
                 in_flight = None
         if in_flight is not None:
-            produced += self._push(rows, np.asarray(in_flight))
+            produced += self._push_steps(rows, *in_flight)
         t3 = time.perf_counter()
         for row in rows:
             row.finish()
@@ -736,6 +767,16 @@ class Generator:
             decode_s=t3 - t2,
             compile_s=t1 - t0,
         )
+
+    @classmethod
+    def _push_steps(cls, rows: list[_RowStream], ids, count: int) -> int:
+        """Pushes the first `count` steps' ids (steps, b), step by step, until every row is done."""
+        produced = 0
+        for step_ids in np.asarray(ids)[:count]:
+            if all(row.done for row in rows):
+                break
+            produced += cls._push(rows, step_ids)
+        return produced
 
     @staticmethod
     def _push(rows: list[_RowStream], tokens: np.ndarray) -> int:

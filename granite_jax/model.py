@@ -536,13 +536,9 @@ class Granite(nnx.Module):
 
     def embed(self, tokens: Array) -> Array:
         """The embedding rows of tokens (b, T), in the activations' dtype: gathered, then cast (`nnx.Embed` casts the
-        whole table first, a copy of it per call when the weights are kept in another dtype).
-
-        Ids out of [0, vocab_size) give rows of NaN: negative ones are sent past the end first, as `take` would
-        otherwise wrap them around (-1 reading the last row)."""
-        table = self.embed_tokens.embedding[...]
-        ids = jnp.where(tokens < 0, table.shape[0], tokens)
-        return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(self.dtype)
+        whole table first, a copy of it per call when the weights are kept in another dtype; see also
+        `cpu_kernels.take_rows`). Ids out of [0, vocab_size) give rows of NaN."""
+        return cpu_kernels.take_rows(self.embed_tokens.embedding[...], tokens).astype(self.dtype)
 
     def head(self, x: Array) -> Array:
         """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""

@@ -655,3 +655,22 @@ def test_benchmark_script_refuses_bad_arguments(tmp_path):
     for args, message in bad:
         proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_take_rows_widens_rows_exactly_and_gives_nan_rows_past_the_table(dtype):
+    table = jax.random.normal(jax.random.key(3), (50, 21)).astype(dtype)  # 21: two vectors and a scalar tail
+    ids = jnp.array([[0, 49, -1, 50, 7], [3, 3, 2**30, -(2**30), 2]], jnp.int32)
+    got = np.asarray(jax.jit(cpu_kernels.take_rows)(table, ids))
+    rows = np.asarray(table.astype(jnp.float32))
+    valid = (np.asarray(ids) >= 0) & (np.asarray(ids) < 50)
+    assert got.shape == (2, 5, 21) and got.dtype == np.float32
+    np.testing.assert_array_equal(got[valid], rows[np.asarray(ids)[valid]])
+    assert np.isnan(got[~valid]).all()
+    text = jax.jit(cpu_kernels.take_rows).lower(table, ids).as_text()
+    assert (cpu_kernels.TAKE_TARGET in text) == (dtype == jnp.bfloat16 and cpu_kernels.available())
+    # gradients reach the table as through XLA's gather (a repeated id twice)
+    loss = lambda f: lambda t: (f(t, jnp.array([[0, 49, 7], [3, 3, 2]])) ** 2).sum()
+    grad = jax.grad(loss(cpu_kernels.take_rows))(table)
+    want = jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0).astype(jnp.float32)))(table)
+    np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(want, np.float32))

@@ -253,6 +253,39 @@ def test_stop_token_ends_each_row_on_its_own(generator, alone):
     assert single.timing.decode_tokens == first and single.timing.decode_steps <= first + 1
 
 
+def test_batch_decodes_in_chunks_as_one_call_per_step(generator, monkeypatch):
+    # A batch runs DECODE_CHUNK steps per call; the draws, the stops (mid-chunk, each row on its own) and a last,
+    # shorter chunk (10 steps: 4 + 4 + 2) must be those of one call per step.
+    assert generate_module.DECODE_CHUNK > 1
+    sample = SamplingConfig(temperature=1.0, top_k=20, seed=5, max_new_tokens=11, stop_token_ids=())
+    free = generator.generate(PROMPTS, sample)
+    stop = free[0].token_ids[6]
+    runs = {}
+    for chunk in (generate_module.DECODE_CHUNK, 1):
+        monkeypatch.setattr(generate_module, "DECODE_CHUNK", chunk)
+        for stops in ((), (stop,)):
+            results = generator.generate(PROMPTS, sample.replace(stop_token_ids=stops))
+            runs[chunk, stops] = [(r.token_ids, r.finish_reason) for r in results]
+    assert runs[4, ()] == runs[1, ()] == [(r.token_ids, "length") for r in free]
+    assert runs[4, (stop,)] == runs[1, (stop,)]
+    assert runs[4, (stop,)][0] == (free[0].token_ids[: free[0].token_ids.index(stop) + 1], "stop_token")
+    assert {len(ids) for ids, _ in runs[4, ()]} == {11}
+
+
+def test_decode_chunks_read_a_bfloat16_embedding_in_place(hf_checkpoint):
+    # XLA:CPU gathers from a bfloat16 table by widening all of it, which the chunk's loop hoists out of its body: a
+    # float32 copy of the embedding per call, unless the lookup is `cpu_kernels.take_rows`' kernel.
+    if not cpu_kernels.available():
+        pytest.skip(f"the CPU kernels are not used here: {cpu_kernels.unavailable_reason()}")
+    generator = Generator(hf_checkpoint(dtype="bfloat16"), weight_dtype="bfloat16")
+    generator.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=3, stop_token_ids=()))
+    (step,) = [v for k, v in generator._executables.items() if k[0] == "decode" and k[-1] > 1]
+    hlo = step.func.as_text()
+    assert cpu_kernels.TAKE_TARGET in hlo
+    table = f"f32[{generator.cfg.vocab_size},{generator.cfg.hidden_size}]"
+    assert table not in hlo, "the decode chunk widens the whole embedding table"
+
+
 def test_model_eos_stops_by_default(generator):
     (eos,) = generator.cfg.eos_token_id
     result = generator.generate(PROMPTS[1], SamplingConfig(max_new_tokens=32, stop_token_ids=(eos,)))[0]

@@ -1,7 +1,7 @@
 // The products of a decoding step for the few rows of x, and of the routed experts (granite_jax/cpu_kernels.py):
 // three kernels. W is float32 or bfloat16 (each kernel a template over its element type, `load8` widening bfloat16
-// to float32 in registers, exactly); x, y and the arithmetic are float32. A fourth, Widen, converts bfloat16 weights
-// for XLA's products of many rows (at the end of this file).
+// to float32 in registers, exactly); x, y and the arithmetic are float32. At the end of this file, two that widen
+// bfloat16 weights for XLA: Widen, for its products of many rows, and TakeRows, the embedding lookup.
 //
 // MatVec, one row of x, W as it is, (N, K) row-major. XLA:CPU walks W a few rows at a time, so at K = 768 it
 // starts a new 3 KB stream every few rows and the hardware prefetchers, which learn one stream at a time, lag:
@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -493,7 +494,40 @@ ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// TakeRows: y[r] = table[ids[r]] as float32 (bfloat16 widened exactly), a row of NaN where ids[r] is outside [0, V).
+// XLA:CPU gathers from a bfloat16 table by widening the whole table to float32 first, fused with the gather in one
+// decode step; in a loop of decode steps (generate.DECODE_CHUNK) it hoists that conversion out of the body, a float32
+// copy of the table per call (154 MB for h-350m's embedding, 20 ms).
+ffi::Error TakeRows(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer table, ffi::ResultBuffer<ffi::F32> y) {
+  auto t_dims = table.dimensions();
+  if (t_dims.size() != 2 || y->element_count() != ids.element_count() * t_dims[1]) {
+    return ffi::Error::InvalidArgument("take_rows: expected ids (...), a table (V, H) and y (..., H)");
+  }
+  const int64_t V = t_dims[0], H = t_dims[1], R = static_cast<int64_t>(ids.element_count());
+  const int32_t* id = ids.typed_data();
+  float* out = y->typed_data();
+  return granite::with_typed(table, "take_rows: the table", [&](const auto* rows) {
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = out + r * H;
+      if (id[r] < 0 || id[r] >= V) {
+        std::fill(dst, dst + H, std::numeric_limits<float>::quiet_NaN());
+        continue;
+      }
+      const auto* src = rows + static_cast<int64_t>(id[r]) * H;
+      int64_t h = 0;
+      for (; h + LANES <= H; h += LANES) _mm256_storeu_ps(dst + h, load8(src + h));
+      for (; h < H; ++h) dst[h] = to_float(src[h]);
+    }
+  });
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_take_rows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // Whether this build takes the AVX-512 path of the panel kernel (for cpu_kernels.describe and its test).
 extern "C" int granite_panels_avx512() {
