@@ -61,10 +61,12 @@ EXPERT_TARGET = "granite_expert_matvec"
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the products' kernels (float32 arithmetic)
 WIDEN_TARGET = "granite_widen"
 TAKE_TARGET = "granite_take_rows"
+GREEDY_TARGET = "granite_greedy"
 SSM_TARGET = "granite_ssm_update_f32"
 ATTENTION_TARGET = "granite_decode_attention"
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("small_matmul.cc", "ssm_update.cc", "decode_attention.cc")
+    Path(__file__).parent / "csrc" / name
+    for name in ("small_matmul.cc", "ssm_update.cc", "decode_attention.cc", "greedy.cc")
 )
 HEADERS = (Path(__file__).parent / "csrc" / "parallel.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
@@ -325,6 +327,18 @@ def decode_attention(
     return lax.platform_dependent(q, k, v, pad, slot, cpu=kernel, default=reference)
 
 
+def greedy(logits: Array, reference: Callable[[Array], Array]) -> Array:
+    """The index (b,) int32 of each row's largest logit in (b, V) float32, the first of equal ones, the first NaN where
+    a row has one: on CPUs with the kernels one pass per row (a kernel), otherwise `reference(logits)`, XLA's version
+    (`sampling.greedy_tokens`' two reductions)."""
+    if not (logits.ndim == 2 and logits.dtype == jnp.float32 and 0 < logits.shape[1] < 2**31 and available()):
+        return reference(logits)
+    kernel = jax.ffi.ffi_call(
+        GREEDY_TARGET, jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32), vmap_method="sequential"
+    )
+    return lax.platform_dependent(logits, cpu=kernel, default=reference)
+
+
 def uses_attention_kernel(q: Array, k: Array, v: Array) -> bool:
     """Whether `decode_attention(q, k, v, ...)` runs the kernel when lowered for a CPU."""
     shapes = q.ndim == 5 and q.shape[1] == 1 and k.ndim == 4 and k.shape == v.shape
@@ -397,7 +411,8 @@ def _build_and_register() -> str | None:
             detail = (e.stderr or "").strip().splitlines()[-1:]
             log.warning("granite_jax.cpu_kernels: the AVX-512 build failed (%s); building for AVX2", *detail or ["?"])
             library = ctypes.CDLL(str(_compiled_library(FLAGS)))
-        for target in (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, TAKE_TARGET, SSM_TARGET, ATTENTION_TARGET):
+        targets = (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, TAKE_TARGET, GREEDY_TARGET, SSM_TARGET)
+        for target in (*targets, ATTENTION_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
         _LIBRARY.append(library)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from granite_jax import sampling
+from granite_jax import cpu_kernels, sampling
 from granite_jax.sampling import GenerationError, SamplingConfig, sample_tokens
 
 # jitted once: run eagerly, every primitive would compile on its own
@@ -57,7 +57,9 @@ def test_greedy_is_argmax(draws):
     assert draws(SamplingConfig())[0] == 1.0
 
 
-def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans():
+@pytest.mark.parametrize("greedy", [sampling.greedy_tokens, sampling.greedy_reductions])
+def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans(greedy):
+    # greedy_tokens is cpu_kernels.greedy's kernel where the kernels are used, greedy_reductions XLA's version
     rows = np.random.default_rng(0).standard_normal((9, 100352)).astype(np.float32)
     rows[1, [5, 70000]] = 9.0  # a tie: the first
     rows[2] = -np.inf  # nothing finite: token 0
@@ -68,10 +70,28 @@ def test_greedy_tokens_equal_argmax_with_ties_infinities_and_nans():
     rows[7] = 0.0  # all equal
     rows[8, :-1] = -np.inf
     rows[0, 9] = -np.float32(np.nan)  # a NaN with the sign bit set (ordered_keys alone would rank it last)
-    got = jax.jit(sampling.greedy_tokens)(jnp.asarray(rows))
+    got = jax.jit(greedy)(jnp.asarray(rows))
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.argmax(rows, axis=-1))  # numpy's argmax has the same rules
     assert np.asarray(got).tolist() == [9, 5, 0, 3, 100, 300, 100351, 0, 100351]
+    uses_kernel = greedy is sampling.greedy_tokens and cpu_kernels.available()
+    assert (cpu_kernels.GREEDY_TARGET in jax.jit(greedy).lower(jnp.asarray(rows)).as_text()) == uses_kernel
+
+
+@pytest.mark.parametrize("greedy", [sampling.greedy_tokens, sampling.greedy_reductions])
+@pytest.mark.parametrize("vocab", [1, 5, 13, 27])  # no whole vector, and whole vectors with a tail
+def test_greedy_tokens_of_short_rows_and_tails(greedy, vocab):
+    rng = np.random.default_rng(vocab)
+    rows = rng.standard_normal((6, vocab)).astype(np.float32)
+    rows[1, -1] = 9.0  # the largest is the last
+    rows[2, [0, -1]] = 9.0  # a tie between the first and the last: the first
+    rows[3, -1] = np.nan  # a NaN in the tail
+    rows[4] = -np.inf
+    got = np.asarray(jax.jit(greedy)(jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
+    # +0 ranks above -0 (order-preserving int keys), which numpy's argmax counts as equal
+    zeros = np.array([[-0.0, 0.0] + [-1.0] * (vocab - 2)] if vocab >= 2 else [[-0.0]], np.float32)
+    assert np.asarray(jax.jit(greedy)(jnp.asarray(zeros))).tolist() == [1 if vocab >= 2 else 0]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
