@@ -8,9 +8,9 @@ How a request runs (`Generator.generate`):
   (left padding: `pad[b]` slots before row b's first token) and prefilled in segments of at most `prefill_chunk`
   tokens. Each segment is one call of a jitted `forward` that carries the conv, SSM and KV state in the `Cache`.
 - The decode step forwards one token per row, samples on device and returns the cache (donated, so the KV cache is
-  updated in place) and the new ids (b,), the only thing copied to the host. One sequence takes one jitted call per
-  token, queued before the previous token is read (streaming); a batch takes `DECODE_CHUNK` steps per call, a loop on
-  device, so that the host's dispatch (~2.5 ms for ~440 buffers) stalls the cores once per chunk, not per token.
+  updated in place) and the new ids (b,), the only thing copied to the host. A jitted call runs `decode_chunk` steps
+  (default 4) in a loop on device, which ends early once every row has sampled a stop token id, so that the host's
+  dispatch (~2.5 ms for ~440 buffers) costs once per chunk, not per token; streamed text arrives a chunk at a time.
 - Shapes are bucketed so that compilation is bounded: prompt lengths round up to powers of two (>= 16) up to
   `prefill_chunk`, then to multiples of it; KV-cache lengths round up to `min_cache_len`, powers of two, then
   multiples of 16384. The decode step therefore compiles once per (batch size, cache bucket): once per batch size
@@ -233,22 +233,37 @@ def _decode_step(graphdef, treedef, weights, cache: Cache, tokens, params: Sampl
     return logits, sample_tokens(logits, params, step), cache
 
 
-DECODE_CHUNK = 4  # decode steps per call for batches of 2 or more (batch 8 on 2 cores: 1.03-1.05x 1 per call)
+DECODE_CHUNK = 4  # default decode steps per call (h-350m on 2 cores: batch 1 1.05-1.08x, batch 8 1.065x 1 per call)
+DEVICE_STOPS = 16  # stop token ids a decode call checks on device (with more, the host alone stops the rows)
 
 
-def _decode_steps(graphdef, treedef, weights, cache: Cache, tokens, params: SamplerParams, step, count, *, chunk: int):
-    """`count` (<= chunk) decode steps from `tokens` (b,) at token index `step`: the ids (chunk, b), rows past `count`
-    zero; the last ids (b,); the cache. Each step is `_decode_step` with its own index, so sampling draws as one call
-    per token does."""
+def _decode_steps(
+    graphdef, treedef, weights, cache: Cache, tokens, live, params: SamplerParams, stops, step, count, *, chunk: int
+):
+    """Up to `count` (<= chunk) decode steps from `tokens` (b,) at token index `step`, while some row is `live` (b,):
+    a row stops being live once it samples one of `stops` (-1: none). Returns the ids (chunk, b) (zero past the steps
+    run), the number of steps run, the last ids, `live` after them and the cache. Each step is `_decode_step` with its
+    own index, so sampling draws as one call per token does."""
 
-    def body(i, carry):
-        cache, tokens, out = carry
+    def running(carry):
+        i, live = carry[0], carry[3]
+        return (i < count) & jnp.any(live)
+
+    def body(carry):
+        i, cache, tokens, live, out = carry
         _, tokens, cache = _decode_step(graphdef, treedef, weights, cache, tokens, params, step + i)
-        return cache, tokens, out.at[i].set(tokens)
+        live = live & ~jnp.any(tokens[:, None] == stops[None, :], axis=-1)
+        return i + 1, cache, tokens, live, out.at[i].set(tokens)
 
     out = jnp.zeros((chunk, tokens.shape[0]), jnp.int32)
-    cache, tokens, out = lax.fori_loop(0, count, body, (cache, tokens, out))
-    return out, tokens, cache
+    ran, cache, tokens, live, out = lax.while_loop(running, body, (jnp.int32(0), cache, tokens, live, out))
+    return out, ran, tokens, live, cache
+
+
+def _device_stops(stop_ids) -> np.ndarray:
+    """The stop ids a decode call checks, padded with -1 to DEVICE_STOPS (none if there are more)."""
+    ids = sorted(stop_ids) if len(stop_ids) <= DEVICE_STOPS else []
+    return np.asarray(ids + [-1] * (DEVICE_STOPS - len(ids)), np.int32)
 
 
 def abstract_steps(
@@ -395,6 +410,8 @@ class Generator:
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
+    decode_chunk: decode steps per call (a loop on device that ends once every row has sampled a stop token id): the
+    host's per-call work is paid once per chunk, and streamed text arrives a chunk at a time (1: one call per token).
     pack_weights: before the first decode step of 2-16 sequences, give the model's float32 or bfloat16 projections a
     copy in the layout that such steps stream on CPUs (`model.pack_for_decoding`: 1.5-2.9x XLA's products in float32,
     twice the memory for those weights; batch 1 and prefill never use it). None: when the CPU kernels are available and
@@ -413,6 +430,7 @@ class Generator:
         prefill_chunk: int = 512,
         min_cache_len: int = 1024,
         max_cache_len: int | None = None,
+        decode_chunk: int = DECODE_CHUNK,
         progress: bool = False,
         pack_weights: bool | None = None,
         model: Granite | None = None,
@@ -423,7 +441,7 @@ class Generator:
         weight_dtype = weight_dtype if weight_dtype in (AUTO, None) else _dtype_name("weight_dtype", weight_dtype)
         if ssd_impl is not None and ssd_impl not in SSD_IMPLS:
             raise GenerationError(f"ssd_impl must be one of {', '.join(SSD_IMPLS)}, got {ssd_impl!r}")
-        _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights)
+        _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights, decode_chunk)
         if model is None:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
@@ -439,7 +457,11 @@ class Generator:
         self.cfg: ModelConfig = model.cfg
         self.tokenizer = tokenizer if tokenizer is not None or model_dir is None else load_tokenizer(model_dir)
         # plain ints (numpy ints are accepted): they reach BatchLayout, Timing and its JSON
-        self.prefill_chunk, self.min_cache_len = int(prefill_chunk), int(min_cache_len)
+        self.prefill_chunk, self.min_cache_len, self.decode_chunk = (
+            int(prefill_chunk),
+            int(min_cache_len),
+            int(decode_chunk),
+        )
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
         self.pack_weights, self.packed_bytes = pack_weights, 0
         self._views = {False: _split(model)}  # True: with the packed copies, made by `_view` when first needed
@@ -693,19 +715,22 @@ class Generator:
         cache = self._abstract_cache(layout)
         return self._executable("prefill", (b, t, layout.cache_len), _prefill_segment, cache, tokens, params, step)
 
-    def _compile_decode(self, layout: BatchLayout, params: SamplerParams, chunk: int = 1):
-        """One decode step (cache, tokens, params, step) -> (logits, tokens, cache), or with chunk > 1
-        `_decode_steps` (cache, tokens, params, step, count) -> (ids (chunk, b), tokens, cache)."""
+    def _compile_decode(self, layout: BatchLayout, params: SamplerParams, chunk: int | None = None):
+        """`_decode_steps` (cache, tokens, live, params, stops, step, count) -> (ids, steps run, tokens, live, cache)
+        for `chunk` steps per call; chunk None: one `_decode_step` (cache, tokens, params, step) -> (logits, tokens,
+        cache)."""
         b = layout.batch_size
         tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
         step = jax.ShapeDtypeStruct((), jnp.int32)
         cache = self._abstract_cache(layout)
         packed = cpu_kernels.MIN_ROWS <= b <= cpu_kernels.MAX_ROWS  # the products the packed copies are for
         key = (b, layout.cache_len, chunk)
-        if chunk == 1:
+        if chunk is None:
             return self._executable("decode", key, _decode_step, cache, tokens, params, step, packed=packed)
+        live = jax.ShapeDtypeStruct((b,), jnp.bool_)
+        stops = jax.ShapeDtypeStruct((DEVICE_STOPS,), jnp.int32)
         fn = functools.partial(_decode_steps, chunk=chunk)
-        return self._executable("decode", key, fn, cache, tokens, params, step, step, packed=packed)
+        return self._executable("decode", key, fn, cache, tokens, live, params, stops, step, step, packed=packed)
 
     def _prefill(self, prompt_ids, layout: BatchLayout, params: SamplerParams):
         run = self._compile_prefill(layout, params)
@@ -723,36 +748,36 @@ class Generator:
         t0 = time.perf_counter()
         self._compile_cache(layout)
         self._compile_prefill(layout, params)
-        # One sequence: one step per call, each queued before the tokens of the one ahead of it are read, so that the
-        # host's work (dispatching ~440 buffers takes 2-4 ms here, then detokenizing) overlaps a step bound by memory;
-        # a stop is seen one step late, and that step is wasted. A batch: DECODE_CHUNK steps per call, read before the
-        # next is queued, which keeps the host off the cores the batch's arithmetic needs (overlapped, batch 8 was
-        # 0.94x the speed on 2 cores; docs/generation.md); a stop wastes the rest of its chunk.
+        # One sequence: each call is queued before the ids of the one ahead of it are read, so that the host's work
+        # (dispatching ~440 buffers takes 2-4 ms here, then detokenizing) overlaps steps bound by memory; a call queued
+        # after the last row's stop token runs no step. A batch: each call's ids are read before the next is queued,
+        # which keeps the host off the cores the batch's arithmetic needs (overlapped, batch 8 was 0.94x the speed on
+        # 2 cores; docs/generation.md).
         overlap = layout.batch_size == 1
-        chunk = 1 if overlap else DECODE_CHUNK
+        chunk = self.decode_chunk
         decode = self._compile_decode(layout, params, chunk) if layout.max_new_tokens > 1 else None
+        stops = _device_stops(rows[0].stop_ids)
         t1 = time.perf_counter()
         _, tokens, cache = self._prefill(prompt_ids, layout, params)
         self._push(rows, np.asarray(tokens))
+        live = np.asarray([not row.done for row in rows])
         t2 = time.perf_counter()
-        steps = produced = 0
+        steps = produced = queued = 0  # steps run, tokens pushed, steps asked for
         in_flight = None
-        while steps + 1 < layout.max_new_tokens and not all(row.done for row in rows):
-            if chunk == 1:
-                _, tokens, cache = decode(cache, tokens, params, np.int32(steps + 1))
-                ids, count = tokens[None], 1
-            else:
-                count = min(chunk, layout.max_new_tokens - 1 - steps)
-                ids, tokens, cache = decode(cache, tokens, params, np.int32(steps + 1), np.int32(count))
-            steps += count
+        while queued + 1 < layout.max_new_tokens and not all(row.done for row in rows):
+            count = min(chunk, layout.max_new_tokens - 1 - queued)
+            ids, ran, tokens, live, cache = decode(
+                cache, tokens, live, params, stops, np.int32(queued + 1), np.int32(count)
+            )
+            queued += count
             if in_flight is not None:
-                produced += self._push_steps(rows, *in_flight)
-            in_flight = ids, count
+                steps, produced = steps + int(in_flight[1]), produced + self._push_steps(rows, *in_flight)
+            in_flight = ids, ran
             if not overlap:
-                produced += self._push_steps(rows, *in_flight)
+                steps, produced = steps + int(ran), produced + self._push_steps(rows, *in_flight)
                 in_flight = None
         if in_flight is not None:
-            produced += self._push_steps(rows, *in_flight)
+            steps, produced = steps + int(in_flight[1]), produced + self._push_steps(rows, *in_flight)
         t3 = time.perf_counter()
         for row in rows:
             row.finish()
@@ -769,10 +794,10 @@ class Generator:
         )
 
     @classmethod
-    def _push_steps(cls, rows: list[_RowStream], ids, count: int) -> int:
+    def _push_steps(cls, rows: list[_RowStream], ids, count) -> int:
         """Pushes the first `count` steps' ids (steps, b), step by step, until every row is done."""
         produced = 0
-        for step_ids in np.asarray(ids)[:count]:
+        for step_ids in np.asarray(ids)[: int(count)]:
             if all(row.done for row in rows):
                 break
             produced += cls._push(rows, step_ids)
@@ -799,9 +824,10 @@ def _dtype_name(name: str, value: Any) -> str:
         raise GenerationError(f"{name} must be {choices}, got {value!r}") from None
 
 
-def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights) -> None:
+def _check_sizes(prefill_chunk, min_cache_len, max_cache_len, pack_weights, decode_chunk) -> None:
     is_size = lambda v: is_int(v) and v >= 1
-    for name, value in (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len)):
+    sizes = (("prefill_chunk", prefill_chunk), ("min_cache_len", min_cache_len), ("decode_chunk", decode_chunk))
+    for name, value in sizes:
         if not is_size(value):
             raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
     if max_cache_len is not None and not is_size(max_cache_len):

@@ -253,23 +253,27 @@ def test_stop_token_ends_each_row_on_its_own(generator, alone):
     assert single.timing.decode_tokens == first and single.timing.decode_steps <= first + 1
 
 
-def test_batch_decodes_in_chunks_as_one_call_per_step(generator, monkeypatch):
-    # A batch runs DECODE_CHUNK steps per call; the draws, the stops (mid-chunk, each row on its own) and a last,
-    # shorter chunk (10 steps: 4 + 4 + 2) must be those of one call per step.
-    assert generate_module.DECODE_CHUNK > 1
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["one", "batch"])
+def test_decode_in_chunks_equals_one_call_per_step(generator, monkeypatch, prompts):
+    # A call runs decode_chunk steps; the draws, the stops (mid-chunk, each row on its own) and a last, shorter chunk
+    # (10 steps: 4 + 4 + 2) must be those of one call per step, and the loop ends on device at the last row's stop.
+    assert generator.decode_chunk == generate_module.DECODE_CHUNK == 4
     sample = SamplingConfig(temperature=1.0, top_k=20, seed=5, max_new_tokens=11, stop_token_ids=())
-    free = generator.generate(PROMPTS, sample)
+    free = generator.generate(prompts, sample)
     stop = free[0].token_ids[6]
     runs = {}
-    for chunk in (generate_module.DECODE_CHUNK, 1):
-        monkeypatch.setattr(generate_module, "DECODE_CHUNK", chunk)
+    for chunk in (4, 1):
+        monkeypatch.setattr(generator, "decode_chunk", chunk)
         for stops in ((), (stop,)):
-            results = generator.generate(PROMPTS, sample.replace(stop_token_ids=stops))
-            runs[chunk, stops] = [(r.token_ids, r.finish_reason) for r in results]
-    assert runs[4, ()] == runs[1, ()] == [(r.token_ids, "length") for r in free]
-    assert runs[4, (stop,)] == runs[1, (stop,)]
-    assert runs[4, (stop,)][0] == (free[0].token_ids[: free[0].token_ids.index(stop) + 1], "stop_token")
-    assert {len(ids) for ids, _ in runs[4, ()]} == {11}
+            results = generator.generate(prompts, sample.replace(stop_token_ids=stops))
+            runs[chunk, stops] = [(r.token_ids, r.finish_reason) for r in results], results[0].timing
+    assert [out for out, _ in (runs[4, ()], runs[1, ()])] == [[(r.token_ids, "length") for r in free]] * 2
+    assert runs[4, (stop,)][0] == runs[1, (stop,)][0]
+    first = free[0].token_ids.index(stop)
+    assert runs[4, (stop,)][0][0] == (free[0].token_ids[: first + 1], "stop_token")
+    assert runs[4, ()][1].decode_steps == 10
+    if len(prompts) == 1:  # the step that sampled the stop was the last one run, though the next call was queued
+        assert runs[4, (stop,)][1].decode_steps == first
 
 
 def test_decode_chunks_read_a_bfloat16_embedding_in_place(hf_checkpoint):
@@ -279,7 +283,7 @@ def test_decode_chunks_read_a_bfloat16_embedding_in_place(hf_checkpoint):
         pytest.skip(f"the CPU kernels are not used here: {cpu_kernels.unavailable_reason()}")
     generator = Generator(hf_checkpoint(dtype="bfloat16"), weight_dtype="bfloat16")
     generator.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=3, stop_token_ids=()))
-    (step,) = [v for k, v in generator._executables.items() if k[0] == "decode" and k[-1] > 1]
+    (step,) = [v for k, v in generator._executables.items() if k[0] == "decode" and k[-1] is not None]
     hlo = step.func.as_text()
     assert cpu_kernels.TAKE_TARGET in hlo
     table = f"f32[{generator.cfg.vocab_size},{generator.cfg.hidden_size}]"
@@ -387,6 +391,7 @@ def test_invalid_sampling_values_are_rejected(generator):
         (dict(weight_dtype="bfloat16"), "weight_dtype='bfloat16', but the model given holds float32 weights"),
         (dict(ssd_impl="fast"), "ssd_impl must be one of xla, naive, pallas, got 'fast'"),
         (dict(prefill_chunk=True), "prefill_chunk must be an integer >= 1, got True"),
+        (dict(decode_chunk=0), "decode_chunk must be an integer >= 1, got 0"),
         (dict(max_cache_len=True), "max_cache_len must be an integer >= 1 or None, got True"),
         (dict(pack_weights="no"), "pack_weights must be None, True or False, got 'no'"),
     ],
