@@ -979,6 +979,15 @@ def build_parser() -> argparse.ArgumentParser:
         "conv, SSM and KV state, so prefill memory is bounded by the segment (512)",
     )
     r.add_argument(
+        "--decode-chunk",
+        type=cli.positive_int,
+        default=DECODE_CHUNK,
+        metavar="N",
+        help="decode steps per compiled call, a loop on the device that ends once every prompt has produced a stop "
+        f"token: the host's per-call work is paid once per N tokens, and streamed text arrives N tokens at a time "
+        f"({DECODE_CHUNK}; 1: one call per token)",
+    )
+    r.add_argument(
         "--no-pack-weights",
         dest="pack_weights",
         action="store_false",
@@ -1095,6 +1104,7 @@ def run_cli(args: argparse.Namespace) -> int:
         weight_dtype=args.weight_dtype,
         ssd_impl=args.ssd_impl,
         prefill_chunk=args.prefill_chunk,
+        decode_chunk=args.decode_chunk,
         max_cache_len=args.max_cache_len,
         progress=not args.quiet and not args.json,
         pack_weights=args.pack_weights,
