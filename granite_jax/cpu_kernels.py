@@ -371,15 +371,18 @@ def unavailable_reason() -> str | None:
 
 
 def describe() -> str:
-    """What runs the decode products, the expert products, the Mamba state update and decode attention on CPUs here
-    (for records)."""
+    """What runs the decode products, the expert products, the Mamba state update, decode attention, greedy sampling
+    and the bfloat16 embedding lookup on CPUs here (for records)."""
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
     products = f"float32/bfloat16 products of 1 row, and of {MIN_ROWS}-{MAX_ROWS} rows on packed weights"
     if panels_use_avx512():
         products += " (AVX-512)"
-    return f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update; decode attention"
+    return (
+        f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update; decode attention; "
+        "greedy sampling; bfloat16 embedding lookup"
+    )
 
 
 def panels_use_avx512() -> bool:

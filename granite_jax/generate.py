@@ -756,7 +756,7 @@ class Generator:
         overlap = layout.batch_size == 1
         chunk = self.decode_chunk
         decode = self._compile_decode(layout, params, chunk) if layout.max_new_tokens > 1 else None
-        stops = _device_stops(rows[0].stop_ids)
+        stops = jnp.asarray(_device_stops(rows[0].stop_ids))  # on the device once, not copied at every call
         t1 = time.perf_counter()
         _, tokens, cache = self._prefill(prompt_ids, layout, params)
         self._push(rows, np.asarray(tokens))
