@@ -9,13 +9,15 @@ against enough different weight matrices to overflow the caches, so each product
 a decode step (one row: the matrix-vector kernel and XLA both read the checkpoint's (out, in) layout; 2-16 rows: the
 kernel reads them packed in panels, `cpu_kernels.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
 State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the update
-(the kernel's one pass; XLA reads the state a second time for y). Experts (MoE shapes only, e.g. --shape
+(the kernel's one pass; XLA reads the state a second time for y). Mamba step: the same token through every Mamba layer's
+whole decoding step between its projections (conv, time steps, state update, gated norm: one kernel call a layer,
+against XLA's fusions around the state update kernel), microseconds per layer. Experts (MoE shapes only, e.g. --shape
 granite-4.0-h-tiny): the (token, expert) rows of --expert-tokens tokens (a decode batch, or a prefill) through one
-layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the distinct chosen
-experts' weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its rows; XLA gathers them
-first, or past 64 rows runs blocks of rows padded per expert). --dtype sets the weights' and activations' dtype of the
-products and experts (the state is always float32). Kernel and XLA are timed alternately in one run, best of
---repeats, and the ratio printed.
+layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the distinct chosen experts'
+weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its rows; XLA gathers them first, or
+past 64 rows runs blocks of rows padded per expert). --dtype sets the weights' and activations' dtype of the products
+and experts (the state is always float32). Kernel and XLA are timed alternately in one run, best of --repeats, and the
+ratio printed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
 
 
-PARTS = ("products", "state", "experts", "attention")
+PARTS = ("products", "state", "mamba", "experts", "attention")
 
 
 def parts(text: str) -> list[str]:
@@ -72,8 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--parts",
         type=parts,
-        default="products,state,experts,attention",
-        help="comma-separated: products, state (update), experts (MoE), attention (decode, over the KV cache)",
+        default="products,state,mamba,experts,attention",
+        help="comma-separated: products, state (update), mamba (the mixer's decoding step between its projections), "
+        "experts (MoE), attention (decode, over the KV cache)",
     )
     p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
@@ -190,6 +193,57 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
     )
 
 
+def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
+    """One token through every Mamba layer's decoding step between its projections (`model.mixer_middle`) at this
+    batch size: the fused kernel (`cpu_kernels.mamba_step`) vs XLA's (which calls the state update kernel)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from granite_jax import cpu_kernels
+    from granite_jax.model import mixer_middle
+    from granite_jax.presets import released_config
+
+    cfg = released_config(name)
+    layers = sum(kind == "mamba" for kind in cfg.layer_types)
+    h, p, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jax.device_put(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    zxbcdt = normal(batch, 1, cfg.mamba_d_inner + cfg.mamba_conv_dim + h)
+    weights = [normal(cfg.mamba_d_conv, cfg.mamba_conv_dim), normal(cfg.mamba_conv_dim), normal(h), normal(h)]
+    weights += [normal(h), normal(cfg.mamba_d_inner)]
+    rings = [normal(batch, cfg.mamba_d_conv, cfg.mamba_conv_dim) for _ in range(layers)]
+    states = [normal(batch, h, p, n) for _ in range(layers)]
+    mask, slot = jnp.ones((batch, 1), jnp.bool_), jnp.int32(7)
+    xla = functools.partial(mixer_middle, cfg, jnp.float32)
+
+    def kernel(*args):
+        return cpu_kernels.mamba_step(*args, cfg.time_step_limit, cfg.rms_norm_eps, xla)
+
+    def chain(middle):  # rings and states donated and returned, updated in place as in a decode step
+        def layers_of(rings, states):
+            outs = [middle(zxbcdt, mask, r, slot, *weights, s) for r, s in zip(rings, states, strict=True)]
+            return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
+
+        return jax.jit(layers_of, donate_argnums=(0, 1))
+
+    fns = {"kernel": chain(kernel), "xla": chain(xla)}
+    carried = {name: ([jnp.array(r) for r in rings], [jnp.array(s) for s in states]) for name in fns}
+
+    def step(name):  # one call, its new rings and states carried into the next
+        _, new_rings, new_states = jax.block_until_ready(fns[name](*carried[name]))
+        carried[name] = (new_rings, new_states)
+
+    best = best_times({name: functools.partial(step, name) for name in fns}, repeats)
+    return dict(
+        batch=batch,
+        layers=layers,
+        kernel_us_per_layer=best["kernel"] / layers * 1e6,
+        xla_us_per_layer=best["xla"] / layers * 1e6,
+        kernel_vs_xla=best["xla"] / best["kernel"],
+    )
+
+
 def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
     """The expert products of one MoE layer for this many tokens (tokens x experts-per-token rows), in and out."""
     import jax
@@ -270,7 +324,7 @@ def main(argv=None) -> int:
     if not cpu_kernels.available():
         print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
         return 2
-    results, updates, experts, attention = [], [], [], []
+    results, updates, mamba, experts, attention = [], [], [], [], []
     if "products" in args.parts:
         work = [(s, r) for s in weight_shapes(args.shape) for r in args.rows]
         results = [
@@ -300,6 +354,20 @@ def main(argv=None) -> int:
             shape = ", ".join(map(str, r["state_shape"]))
             rates = f"{r['kernel_gb_s']:.1f} | {r['xla_gb_s']:.1f} | {r['kernel_vs_xla']:.2f}x"
             print(f"| {r['batch']} | ({shape}) | {rates} |")
+    if "mamba" in args.parts:
+        mamba = [
+            measure_mamba_step(args.shape, r, args.repeats)
+            for r in tqdm(args.rows, desc="mamba step", unit="batch", file=sys.stderr)
+        ]
+        print(
+            f"\n{args.shape} Mamba decoding step between the projections, one token through all "
+            f"{mamba[0]['layers']} layers; microseconds per layer"
+        )
+        print("| batch | kernel us | XLA us | kernel / XLA |")
+        print("|---|---|---|---|")
+        for r in mamba:
+            times = f"{r['kernel_us_per_layer']:.1f} | {r['xla_us_per_layer']:.1f} | {r['kernel_vs_xla']:.2f}x"
+            print(f"| {r['batch']} | {times} |")
     if "experts" in args.parts:
         from granite_jax.presets import released_config
 
@@ -340,6 +408,7 @@ def main(argv=None) -> int:
             args=vars(args),
             results=results,
             state_update=updates,
+            mamba_step=mamba,
             experts=experts,
             attention=attention,
             environment=environment(),

@@ -16,6 +16,8 @@
 - `ssm_update`: the Mamba-2 state update of one token, state <- decay * state + dt x B^T, and y = state C. XLA runs it
   as an update that reads and writes the state and a product that reads it again; `csrc/ssm_update.cc` reads and
   writes each state slab once (the state is the largest thing a batched decode step touches after the weights).
+- `mamba_step`: a Mamba-2 mixer's decoding step between its projections (conv, SiLU, time steps, the state update,
+  the gated norm) in one call, where XLA ran about ten small fusions per layer around the state update.
 - `decode_attention`: one query token per row over the filled slots of a KV cache (`model.attend_cache` when
   decoding). XLA runs the model's online-softmax blocks as a loop of small fusions; `csrc/decode_attention.cc` reads
   each (row, KV head)'s keys and values once, in order, for all the queries of the group.
@@ -43,6 +45,7 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -63,6 +66,7 @@ WIDEN_TARGET = "granite_widen"
 TAKE_TARGET = "granite_take_rows"
 GREEDY_TARGET = "granite_greedy"
 SSM_TARGET = "granite_ssm_update_f32"
+MAMBA_TARGET = "granite_mamba_step"
 ATTENTION_TARGET = "granite_decode_attention"
 SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
@@ -312,6 +316,66 @@ def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that
     return _ssm_kernel(*primals), jax.jvp(_ssm_update_xla, primals, tangents)[1]
 
 
+def mamba_step(
+    zxbcdt: Array,
+    mask: Array,
+    ring: Array,
+    slot: Array | int,
+    conv_weight: Array,
+    conv_bias: Array | None,
+    dt_bias: Array,
+    A_log: Array,
+    D: Array,
+    norm_weight: Array,
+    state: Array,
+    time_step_limit: tuple[float, float],
+    eps: float,
+    reference: Callable[..., tuple[Array, Array, Array]],
+) -> tuple[Array, Array, Array]:
+    """`model.mixer_middle` for one token per row: zxbcdt (b, 1, d_inner + conv_dim + h) after the conv ring (b, K,
+    conv_dim) and the state (b, h, p, n) -> (y (b, 1, d_inner), ring, state). `reference(zxbcdt, mask, ring, slot,
+    conv_weight, ..., norm_weight, state)` is XLA's version (which also gives the kernel's tangent). On CPUs with the
+    kernels, float32 activations, ring and state and float32 or bfloat16 weights of one dtype: one kernel call
+    (`csrc/ssm_update.cc`, float32 arithmetic) that updates the ring and the state in place; otherwise `reference`."""
+    args = (zxbcdt, mask, ring, slot, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, state)
+    if not uses_mamba_kernel(zxbcdt, ring, state, (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)):
+        return reference(*args)
+    if conv_bias is None:  # the kernel adds zeros; `reference` is still called without a bias
+        args = (*args[:5], jnp.zeros(conv_weight.shape[1:], conv_weight.dtype), *args[6:])
+        reference = functools.partial(_without_bias, reference)
+    lo, hi = time_step_limit
+    kernel = functools.partial(_mamba_kernel, float(lo), float(hi), float(eps), reference)
+    return lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+
+def uses_mamba_kernel(zxbcdt: Array, ring: Array, state: Array, weights: tuple) -> bool:
+    """Whether `mamba_step` runs the kernel when lowered for a CPU."""
+    present = [w for w in weights if w is not None]
+    shapes = zxbcdt.ndim == 3 and zxbcdt.shape[1] == 1 and ring.ndim == 3 and ring.shape[1] <= 16 and state.ndim == 4
+    floats = all(t.dtype == jnp.float32 for t in (zxbcdt, ring, state))
+    one_dtype = len({w.dtype for w in present}) == 1 and present[0].dtype in KERNEL_DTYPES
+    return shapes and floats and one_dtype and available()
+
+
+def _without_bias(reference, zxbcdt, mask, ring, slot, conv_weight, conv_bias, *rest):
+    return reference(zxbcdt, mask, ring, slot, conv_weight, None, *rest)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _mamba_kernel(lo, hi, eps, reference, zxbcdt, mask, ring, slot, *weights_and_state):
+    state = weights_and_state[-1]
+    y = jax.ShapeDtypeStruct((zxbcdt.shape[0], 1, state.shape[1] * state.shape[2]), jnp.float32)
+    outs = (y, jax.ShapeDtypeStruct(ring.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
+    call = jax.ffi.ffi_call(MAMBA_TARGET, outs, input_output_aliases={2: 1, 10: 2}, vmap_method="sequential")
+    floats = dict(lo=np.float32(lo), hi=np.float32(hi), eps=np.float32(eps))
+    return call(zxbcdt, mask.astype(jnp.float32), ring, jnp.asarray(slot, jnp.int32), *weights_and_state, **floats)
+
+
+@_mamba_kernel.defjvp
+def _mamba_kernel_jvp(lo, hi, eps, reference, primals, tangents):  # XLA's tangent, which JAX can transpose
+    return _mamba_kernel(lo, hi, eps, reference, *primals), jax.jvp(reference, primals, tangents)[1]
+
+
 def decode_attention(
     q: Array, k: Array, v: Array, pad: Array, slot: Array, scale: float, reference: Callable[..., Array]
 ) -> Array:
@@ -371,8 +435,8 @@ def unavailable_reason() -> str | None:
 
 
 def describe() -> str:
-    """What runs the decode products, the expert products, the Mamba state update, decode attention, greedy sampling
-    and the bfloat16 embedding lookup on CPUs here (for records)."""
+    """What runs the decode products, the expert products, the Mamba state update and decoding step, decode attention,
+    greedy sampling and the bfloat16 embedding lookup on CPUs here (for records)."""
     reason = _load()
     if reason is not None:
         return f"XLA ({reason})"
@@ -380,8 +444,8 @@ def describe() -> str:
     if panels_use_avx512():
         products += " (AVX-512)"
     return (
-        f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update; decode attention; "
-        "greedy sampling; bfloat16 embedding lookup"
+        f"cpu_kernels: {products}; expert products (decode and prefill); Mamba state update and decoding step; "
+        "decode attention; greedy sampling; bfloat16 embedding lookup"
     )
 
 
@@ -415,7 +479,7 @@ def _build_and_register() -> str | None:
             log.warning("granite_jax.cpu_kernels: the AVX-512 build failed (%s); building for AVX2", *detail or ["?"])
             library = ctypes.CDLL(str(_compiled_library(FLAGS)))
         targets = (TARGET, MATVEC_TARGET, EXPERT_TARGET, WIDEN_TARGET, TAKE_TARGET, GREEDY_TARGET, SSM_TARGET)
-        for target in (*targets, ATTENTION_TARGET):
+        for target in (*targets, MAMBA_TARGET, ATTENTION_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
         _LIBRARY.append(library)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
@@ -478,6 +542,10 @@ def _names() -> str:
     return " + ".join(source.name for source in SOURCES)
 
 
+def _run_compiler(cmd: list[str]) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
 def _compiled_library(flags: tuple[str, ...]) -> Path:
     """The kernels' shared library, compiled once per (sources, flags, compiler, jaxlib) and reused."""
     compiler = _compiler()
@@ -491,7 +559,11 @@ def _compiled_library(flags: tuple[str, ...]) -> Path:
     log.info("granite_jax.cpu_kernels: compiling %s -> %s", _names(), target)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then an atomic rename: safe with parallel builds
         built = Path(tmp) / target.name
-        cmd = [compiler, *flags, f"-I{include}", *map(str, SOURCES), "-o", str(built)]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        # One compiler per source at once (each spends most of its time parsing the FFI headers), then one link.
+        compiles = [[compiler, *flags, "-c", f"-I{include}", str(s), "-o", str(o)] for s, o in zip(SOURCES, objects)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as pool:
+            list(pool.map(_run_compiler, compiles))
+        _run_compiler([compiler, *flags, *map(str, objects), "-o", str(built)])
         os.replace(built, target)
     return target

@@ -13,6 +13,7 @@ the module, so one jitted step can donate it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -157,10 +158,14 @@ class GatedRMSNorm(nnx.Module):
         self.groups, self.eps = groups, eps
 
     def __call__(self, y: Array, z: Array, dtype) -> Array:
-        gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-        grouped = gated.reshape(*gated.shape[:-1], self.groups, -1)
-        normed = rms_normalize(grouped, self.eps).reshape(gated.shape)
-        return (self.weight[...] * normed.astype(dtype)).astype(dtype)
+        return gated_rms_norm(y, z, self.weight[...], self.groups, self.eps, dtype)
+
+
+def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
+    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    grouped = gated.reshape(*gated.shape[:-1], groups, -1)
+    normed = rms_normalize(grouped, eps).reshape(gated.shape)
+    return (weight * normed.astype(dtype)).astype(dtype)
 
 
 # ---------------------------------------------------------------------------------------------- Mamba-2 mixer
@@ -229,47 +234,86 @@ class MambaMixer(nnx.Module):
         """x (b, T, H) at slots [slot, slot + T), from `state` (None: from scratch) -> (out, new state)."""
         cfg = self.cfg
         b, T, _ = x.shape
-        h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
-        keep = (lambda t: t) if token_mask is None else (lambda t: t * token_mask[..., None].astype(t.dtype))
-
-        z, xBC, dt = jnp.split(self.in_proj(keep(x)), [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
-        xBC, ring = self._conv(xBC, None if state is None else state.conv, slot)
-        # The SSD's x, B, C in the model's dtype, as transformers' conv1d returns them: bfloat16 models give the Pallas
-        # kernels bfloat16 tiles (float32 inputs cost them 3xTF32 products, 3.3x the time at h-tiny dims on an H200).
-        xs, B, C = jnp.split(keep(jax.nn.silu(xBC)).astype(self.dtype), [h * p, h * p + g * n], -1)
-
-        lo, hi = cfg.time_step_limit
-        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)), lo, hi)
-        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        D = self.D[...].astype(jnp.float32)
-        xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
-        if state is not None and T == 1:
-            y, ssm = self._decode_step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-            y = y[:, None]
+        keep = x if token_mask is None else x * token_mask[..., None].astype(x.dtype)
+        zxbcdt = self.in_proj(keep)
+        weights = (
+            self.conv_weight[...],
+            None if self.conv_bias is None else self.conv_bias[...],
+            self.dt_bias[...],
+            self.A_log[...],
+            self.D[...],
+            self.norm.weight[...],
+        )
+        ring, ssm = (None, None) if state is None else (state.conv, state.ssm)
+        middle = functools.partial(mixer_middle, cfg, self.dtype)
+        if state is not None and T == 1 and cfg.ssd_impl != "pallas":
+            # One decoding step: on CPUs one kernel call (cpu_kernels.mamba_step), elsewhere `mixer_middle`.
+            mask = jnp.ones((b, T), jnp.bool_) if token_mask is None else token_mask
+            eps, limit = cfg.rms_norm_eps, cfg.time_step_limit
+            y, ring, ssm = cpu_kernels.mamba_step(zxbcdt, mask, ring, slot, *weights, ssm, limit, eps, middle)
         else:
-            initial = None if state is None else state.ssm
-            y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=initial, impl=cfg.ssd_impl)
-        out = self.out_proj(self.norm(y.reshape(b, T, h * p), z, self.dtype))
-        return out, MambaState(ring, ssm)
+            y, ring, ssm = middle(zxbcdt, token_mask, ring, slot, *weights, ssm)
+        return self.out_proj(y), MambaState(ring, ssm)
 
-    def _conv(self, xBC: Array, ring: Array | None, slot: Array | int) -> tuple[Array, Array]:
-        """The causal conv of xBC (b, T, conv_dim) at slots [slot, slot + T) after the inputs in `ring` (None: zeros),
-        and the ring after them."""
-        b, T, _ = xBC.shape
-        if ring is None:
-            ring = jnp.zeros((b, self.cfg.mamba_d_conv, self.cfg.mamba_conv_dim), xBC.dtype)
-        conv_bias = None if self.conv_bias is None else self.conv_bias[...]
-        if T == 1:
-            return conv_step(xBC, ring, slot, self.conv_weight[...], conv_bias)
-        out, history = causal_conv(xBC, ring_history(ring, slot), self.conv_weight[...], conv_bias)
-        return out, history_ring(history, slot + T).astype(ring.dtype)
 
-    def _decode_step(self, state, x, dt, A, B, C, D):
-        if self.cfg.ssd_impl == "pallas":
+def mixer_middle(
+    cfg: ModelConfig,
+    dtype,
+    zxbcdt: Array,
+    token_mask: Array | None,
+    ring: Array | None,
+    slot: Array | int,
+    conv_weight: Array,
+    conv_bias: Array | None,
+    dt_bias: Array,
+    A_log: Array,
+    D: Array,
+    norm_weight: Array,
+    ssm: Array | None,
+) -> tuple[Array, Array, Array]:
+    """The Mamba-2 mixer between its projections: in_proj's output zxbcdt (b, T, d_inner + conv_dim + heads) = [z | xBC
+    | dt] at slots [slot, slot + T) after the conv inputs in `ring` and the SSD state `ssm` (both None: from scratch)
+    -> (the gated, normed SSD output y (b, T, d_inner), the new ring, the new state). token_mask (b, T): the real
+    tokens (None: all); the others' conv outputs are zeroed, so that padding never enters the state."""
+    b, T, _ = zxbcdt.shape
+    h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
+    z, xBC, dt = jnp.split(zxbcdt, [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
+    xBC, ring = mamba_conv(xBC, ring, slot, conv_weight, conv_bias)
+    xBC = jax.nn.silu(xBC) if token_mask is None else jax.nn.silu(xBC) * token_mask[..., None].astype(xBC.dtype)
+    # The SSD's x, B, C in the model's dtype, as transformers' conv1d returns them: bfloat16 models give the Pallas
+    # kernels bfloat16 tiles (float32 inputs cost them 3xTF32 products, 3.3x the time at h-tiny dims on an H200).
+    xs, B, C = jnp.split(xBC.astype(dtype), [h * p, h * p + g * n], -1)
+
+    lo, hi = cfg.time_step_limit
+    dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32)), lo, hi)
+    A = -jnp.exp(A_log.astype(jnp.float32))
+    D = D.astype(jnp.float32)
+    xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
+    if ssm is not None and T == 1:
+        if cfg.ssd_impl == "pallas":
             from pallas_kernels import ssd_decode
 
-            return ssd_decode(state, x, dt, A, B, C, D)
-        return ssd_step(state, x, dt, A, B, C, D)
+            y, ssm = ssd_decode(ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        else:
+            y, ssm = ssd_step(ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+        y = y[:, None]
+    else:
+        y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=ssm, impl=cfg.ssd_impl)
+    return gated_rms_norm(y.reshape(b, T, h * p), z, norm_weight, g, cfg.rms_norm_eps, dtype), ring, ssm
+
+
+def mamba_conv(
+    xBC: Array, ring: Array | None, slot: Array | int, weight: Array, bias: Array | None
+) -> tuple[Array, Array]:
+    """The causal conv of xBC (b, T, conv_dim) at slots [slot, slot + T) after the inputs in `ring` (None: zeros),
+    and the ring after them."""
+    b, T, _ = xBC.shape
+    if ring is None:
+        ring = jnp.zeros((b, *weight.shape), xBC.dtype)
+    if T == 1:
+        return conv_step(xBC, ring, slot, weight, bias)
+    out, history = causal_conv(xBC, ring_history(ring, slot), weight, bias)
+    return out, history_ring(history, slot + T).astype(ring.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -346,9 +346,9 @@ def test_bfloat16_decode_runs_the_kernels_and_stays_close(tiny_checkpoint, batch
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_checkpoint, batch):
-    # param_dtype bfloat16 under dtype float32: every product takes the weights as stored (the kernels widen them in
-    # registers; XLA converts them), so prefill and decode give the logits of the float32 model whose weights are
-    # the same bfloat16 values, from half the weight memory (packed copies included).
+    # param_dtype bfloat16 under dtype float32: every product and the Mamba decoding step take the weights as stored
+    # (the kernels widen them in registers; XLA converts them), so prefill and decode give the logits of the float32
+    # model whose weights are the same bfloat16 values, from half the weight memory (packed copies included).
     reference = load_model(tiny_checkpoint)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), nnx.state(reference, nnx.Param))
     nnx.update(reference, rounded)
@@ -362,7 +362,7 @@ def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_
     if cpu_kernels.available():
         text = step.trace(mixed, ids[:, :1], Cache.init(mixed.cfg, batch, 16)).lower().as_text()
         assert (cpu_kernels.MATVEC_TARGET if batch == 1 else cpu_kernels.TARGET) in text
-        assert cpu_kernels.EXPERT_TARGET in text
+        assert cpu_kernels.EXPERT_TARGET in text and cpu_kernels.MAMBA_TARGET in text
     outs = []
     for model in (reference, mixed):
         out, cache = step(model, ids[:, :4], Cache.init(model.cfg, batch, 16))  # a prefill, then decode steps
