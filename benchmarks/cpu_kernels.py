@@ -201,7 +201,7 @@ def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
     import numpy as np
 
     from granite_jax import cpu_kernels
-    from granite_jax.model import mixer_middle
+    from granite_jax.model import MambaWeights, mixer_middle
     from granite_jax.presets import released_config
 
     cfg = released_config(name)
@@ -210,11 +210,11 @@ def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     normal = lambda *shape: jax.device_put(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     zxbcdt = normal(batch, 1, cfg.mamba_d_inner + cfg.mamba_conv_dim + h)
-    weights = [normal(cfg.mamba_d_conv, cfg.mamba_conv_dim), normal(cfg.mamba_conv_dim), normal(h), normal(h)]
-    weights += [normal(h), normal(cfg.mamba_d_inner)]
+    conv = normal(cfg.mamba_d_conv, cfg.mamba_conv_dim), normal(cfg.mamba_conv_dim)
+    weights = MambaWeights(*conv, normal(h), normal(h), normal(h), normal(cfg.mamba_d_inner))
     rings = [normal(batch, cfg.mamba_d_conv, cfg.mamba_conv_dim) for _ in range(layers)]
     states = [normal(batch, h, p, n) for _ in range(layers)]
-    mask, slot = jnp.ones((batch, 1), jnp.bool_), jnp.int32(7)
+    mask, slot = jnp.ones((batch, 1), jnp.bool_), jnp.int32(7)  # decoding: every row real
     xla = functools.partial(mixer_middle, cfg, jnp.float32)
 
     def kernel(*args):
@@ -222,7 +222,7 @@ def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
 
     def chain(middle):  # rings and states donated and returned, updated in place as in a decode step
         def layers_of(rings, states):
-            outs = [middle(zxbcdt, mask, r, slot, *weights, s) for r, s in zip(rings, states, strict=True)]
+            outs = [middle(zxbcdt, mask, r, slot, weights, s) for r, s in zip(rings, states, strict=True)]
             return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
 
         return jax.jit(layers_of, donate_argnums=(0, 1))

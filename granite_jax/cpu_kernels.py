@@ -318,31 +318,25 @@ def _ssm_kernel_jvp(primals, tangents):  # the tangent of XLA's version, so that
 
 def mamba_step(
     zxbcdt: Array,
-    mask: Array,
+    token_mask: Array | None,
     ring: Array,
     slot: Array | int,
-    conv_weight: Array,
-    conv_bias: Array | None,
-    dt_bias: Array,
-    A_log: Array,
-    D: Array,
-    norm_weight: Array,
+    weights: tuple,
     state: Array,
     time_step_limit: tuple[float, float],
     eps: float,
     reference: Callable[..., tuple[Array, Array, Array]],
 ) -> tuple[Array, Array, Array]:
     """`model.mixer_middle` for one token per row: zxbcdt (b, 1, d_inner + conv_dim + h) after the conv ring (b, K,
-    conv_dim) and the state (b, h, p, n) -> (y (b, 1, d_inner), ring, state). `reference(zxbcdt, mask, ring, slot,
-    conv_weight, ..., norm_weight, state)` is XLA's version (which also gives the kernel's tangent). On CPUs with the
-    kernels, float32 activations, ring and state and float32 or bfloat16 weights of one dtype: one kernel call
-    (`csrc/ssm_update.cc`, float32 arithmetic) that updates the ring and the state in place; otherwise `reference`."""
-    args = (zxbcdt, mask, ring, slot, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, state)
-    if not uses_mamba_kernel(zxbcdt, ring, state, (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)):
+    conv_dim) and the state (b, h, p, n) -> (y (b, 1, d_inner), ring, state). weights: (conv weight, conv bias or
+    None, dt_bias, A_log, D, norm weight) (`model.MambaWeights`); token_mask (b, 1) or None (all real).
+    `reference(zxbcdt, token_mask, ring, slot, weights, state)` is XLA's version, which also gives the kernel's tangent.
+    On CPUs with the kernels, float32 activations, ring and state and float32 or bfloat16 weights of one dtype: one
+    kernel call (`csrc/ssm_update.cc`, float32 arithmetic) that updates the ring and the state in place; otherwise
+    `reference`."""
+    args = (zxbcdt, token_mask, ring, slot, weights, state)
+    if not uses_mamba_kernel(zxbcdt, ring, state, weights):
         return reference(*args)
-    if conv_bias is None:  # the kernel adds zeros; `reference` is still called without a bias
-        args = (*args[:5], jnp.zeros(conv_weight.shape[1:], conv_weight.dtype), *args[6:])
-        reference = functools.partial(_without_bias, reference)
     lo, hi = time_step_limit
     kernel = functools.partial(_mamba_kernel, float(lo), float(hi), float(eps), reference)
     return lax.platform_dependent(*args, cpu=kernel, default=reference)
@@ -357,18 +351,17 @@ def uses_mamba_kernel(zxbcdt: Array, ring: Array, state: Array, weights: tuple) 
     return shapes and floats and one_dtype and available()
 
 
-def _without_bias(reference, zxbcdt, mask, ring, slot, conv_weight, conv_bias, *rest):
-    return reference(zxbcdt, mask, ring, slot, conv_weight, None, *rest)
-
-
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
-def _mamba_kernel(lo, hi, eps, reference, zxbcdt, mask, ring, slot, *weights_and_state):
-    state = weights_and_state[-1]
-    y = jax.ShapeDtypeStruct((zxbcdt.shape[0], 1, state.shape[1] * state.shape[2]), jnp.float32)
+def _mamba_kernel(lo, hi, eps, reference, zxbcdt, token_mask, ring, slot, weights, state):
+    b = zxbcdt.shape[0]
+    mask = jnp.ones((b, 1), jnp.bool_) if token_mask is None else token_mask
+    conv_weight, conv_bias, *rest = weights
+    bias = jnp.zeros(conv_weight.shape[1:], conv_weight.dtype) if conv_bias is None else conv_bias
+    y = jax.ShapeDtypeStruct((b, 1, state.shape[1] * state.shape[2]), jnp.float32)
     outs = (y, jax.ShapeDtypeStruct(ring.shape, jnp.float32), jax.ShapeDtypeStruct(state.shape, jnp.float32))
     call = jax.ffi.ffi_call(MAMBA_TARGET, outs, input_output_aliases={2: 1, 10: 2}, vmap_method="sequential")
     floats = dict(lo=np.float32(lo), hi=np.float32(hi), eps=np.float32(eps))
-    return call(zxbcdt, mask.astype(jnp.float32), ring, jnp.asarray(slot, jnp.int32), *weights_and_state, **floats)
+    return call(zxbcdt, mask, ring, jnp.asarray(slot, jnp.int32), conv_weight, bias, *rest, state, **floats)
 
 
 @_mamba_kernel.defjvp

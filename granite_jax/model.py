@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -151,17 +152,14 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """norm(y * silu(z)) with one RMS statistic per group of d_inner / n_groups channels (gate before the norm)."""
+    """The weight of the Mamba mixer's gated norm (`gated_rms_norm`, applied by `mixer_middle`)."""
 
-    def __init__(self, dim: int, groups: int, eps: float, *, param_dtype=jnp.float32):
+    def __init__(self, dim: int, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.groups, self.eps = groups, eps
-
-    def __call__(self, y: Array, z: Array, dtype) -> Array:
-        return gated_rms_norm(y, z, self.weight[...], self.groups, self.eps, dtype)
 
 
 def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
+    """weight * norm(y * silu(z)), one RMS statistic per group of d_inner / groups channels (gate before the norm)."""
     gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
     grouped = gated.reshape(*gated.shape[:-1], groups, -1)
     normed = rms_normalize(grouped, eps).reshape(gated.shape)
@@ -225,35 +223,42 @@ class MambaMixer(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((h,), param_dtype))
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(param_dtype))
         self.D = nnx.Param(jnp.ones((h,), param_dtype))
-        self.norm = GatedRMSNorm(cfg.mamba_d_inner, cfg.mamba_n_groups, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = GatedRMSNorm(cfg.mamba_d_inner, param_dtype=param_dtype)
         self.out_proj = Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear)
 
     def __call__(
         self, x: Array, token_mask: Array | None = None, state: MambaState | None = None, slot: Array | int = 0
     ) -> tuple[Array, MambaState]:
         """x (b, T, H) at slots [slot, slot + T), from `state` (None: from scratch) -> (out, new state)."""
-        cfg = self.cfg
-        b, T, _ = x.shape
-        keep = x if token_mask is None else x * token_mask[..., None].astype(x.dtype)
-        zxbcdt = self.in_proj(keep)
-        weights = (
-            self.conv_weight[...],
-            None if self.conv_bias is None else self.conv_bias[...],
-            self.dt_bias[...],
-            self.A_log[...],
-            self.D[...],
-            self.norm.weight[...],
-        )
+        cfg, T = self.cfg, x.shape[1]
+        masked = x if token_mask is None else x * token_mask[..., None].astype(x.dtype)
+        zxbcdt = self.in_proj(masked)
         ring, ssm = (None, None) if state is None else (state.conv, state.ssm)
         middle = functools.partial(mixer_middle, cfg, self.dtype)
+        args = (zxbcdt, token_mask, ring, slot, self.weights(), ssm)
         if state is not None and T == 1 and cfg.ssd_impl != "pallas":
             # One decoding step: on CPUs one kernel call (cpu_kernels.mamba_step), elsewhere `mixer_middle`.
-            mask = jnp.ones((b, T), jnp.bool_) if token_mask is None else token_mask
-            eps, limit = cfg.rms_norm_eps, cfg.time_step_limit
-            y, ring, ssm = cpu_kernels.mamba_step(zxbcdt, mask, ring, slot, *weights, ssm, limit, eps, middle)
+            y, ring, ssm = cpu_kernels.mamba_step(*args, cfg.time_step_limit, cfg.rms_norm_eps, middle)
         else:
-            y, ring, ssm = middle(zxbcdt, token_mask, ring, slot, *weights, ssm)
+            y, ring, ssm = middle(*args)
         return self.out_proj(y), MambaState(ring, ssm)
+
+    def weights(self) -> MambaWeights:
+        bias = None if self.conv_bias is None else self.conv_bias[...]
+        return MambaWeights(
+            self.conv_weight[...], bias, self.dt_bias[...], self.A_log[...], self.D[...], self.norm.weight[...]
+        )
+
+
+class MambaWeights(NamedTuple):
+    """The mixer's weights between its projections, in `cpu_kernels.mamba_step`'s order."""
+
+    conv_weight: Array  # (K, conv_dim)
+    conv_bias: Array | None  # (conv_dim,)
+    dt_bias: Array  # (heads,)
+    A_log: Array  # (heads,)
+    D: Array  # (heads,)
+    norm_weight: Array  # (d_inner,)
 
 
 def mixer_middle(
@@ -263,31 +268,27 @@ def mixer_middle(
     token_mask: Array | None,
     ring: Array | None,
     slot: Array | int,
-    conv_weight: Array,
-    conv_bias: Array | None,
-    dt_bias: Array,
-    A_log: Array,
-    D: Array,
-    norm_weight: Array,
+    weights: MambaWeights,
     ssm: Array | None,
 ) -> tuple[Array, Array, Array]:
     """The Mamba-2 mixer between its projections: in_proj's output zxbcdt (b, T, d_inner + conv_dim + heads) = [z | xBC
     | dt] at slots [slot, slot + T) after the conv inputs in `ring` and the SSD state `ssm` (both None: from scratch)
     -> (the gated, normed SSD output y (b, T, d_inner), the new ring, the new state). token_mask (b, T): the real
-    tokens (None: all); the others' conv outputs are zeroed, so that padding never enters the state."""
+    tokens (None: all); the others' conv outputs are zeroed, so that padding never enters the state. `weights`
+    (`MambaMixer.weights`) may be float32 or bfloat16; the arithmetic is float32 up to the SSD's inputs (`dtype`)."""
     b, T, _ = zxbcdt.shape
     h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
     z, xBC, dt = jnp.split(zxbcdt, [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
-    xBC, ring = mamba_conv(xBC, ring, slot, conv_weight, conv_bias)
+    xBC, ring = mamba_conv(xBC, ring, slot, weights.conv_weight, weights.conv_bias)
     xBC = jax.nn.silu(xBC) if token_mask is None else jax.nn.silu(xBC) * token_mask[..., None].astype(xBC.dtype)
     # The SSD's x, B, C in the model's dtype, as transformers' conv1d returns them: bfloat16 models give the Pallas
     # kernels bfloat16 tiles (float32 inputs cost them 3xTF32 products, 3.3x the time at h-tiny dims on an H200).
     xs, B, C = jnp.split(xBC.astype(dtype), [h * p, h * p + g * n], -1)
 
     lo, hi = cfg.time_step_limit
-    dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32)), lo, hi)
-    A = -jnp.exp(A_log.astype(jnp.float32))
-    D = D.astype(jnp.float32)
+    dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32)), lo, hi)
+    A = -jnp.exp(weights.A_log.astype(jnp.float32))
+    D = weights.D.astype(jnp.float32)
     xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
     if ssm is not None and T == 1:
         if cfg.ssd_impl == "pallas":
@@ -299,7 +300,8 @@ def mixer_middle(
         y = y[:, None]
     else:
         y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=ssm, impl=cfg.ssd_impl)
-    return gated_rms_norm(y.reshape(b, T, h * p), z, norm_weight, g, cfg.rms_norm_eps, dtype), ring, ssm
+    y = gated_rms_norm(y.reshape(b, T, h * p), z, weights.norm_weight, g, cfg.rms_norm_eps, dtype)
+    return y, ring, ssm
 
 
 def mamba_conv(

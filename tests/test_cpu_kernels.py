@@ -13,7 +13,7 @@ import pytest
 from conftest import attention_float64
 
 from granite_jax import cpu_kernels
-from granite_jax.model import KVState, Positions, _attend_blocks, mixer_middle
+from granite_jax.model import KVState, MambaWeights, Positions, _attend_blocks, mixer_middle
 from granite_jax.presets import released_config
 from granite_jax.ssd import ssd_reference, ssd_step
 
@@ -442,8 +442,8 @@ def test_state_update_gradients():
 
 
 def mamba_case(b, h, p, g, n, K, *, bias=True, weight_dtype=np.float32, limit=(0.0, float("inf")), seed=0):
-    """A config with these Mamba dims and random float32 (zxbcdt, ring, state) and weights (conv weight, conv bias or
-    None, dt_bias, A_log, D, norm weight) in weight_dtype."""
+    """A config with these Mamba dims, random float32 (zxbcdt, ring, state) and random MambaWeights in weight_dtype
+    (no conv bias unless `bias`)."""
     cfg = released_config("granite-4.0-h-350m").replace(
         hidden_size=h * p, mamba_expand=1, mamba_n_heads=h, mamba_d_head=p, mamba_n_groups=g, mamba_d_state=n,
         mamba_d_conv=K, num_attention_heads=1, num_key_value_heads=1, time_step_limit=limit,
@@ -453,26 +453,25 @@ def mamba_case(b, h, p, g, n, K, *, bias=True, weight_dtype=np.float32, limit=(0
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     data = normal(b, 1, h * p + conv + h), normal(b, K, conv), normal(b, h, p, n)
     weights = [normal(K, conv), normal(conv) if bias else None, normal(h), 0.5 * normal(h), normal(h), normal(h * p)]
-    return cfg, data, [None if w is None else w.astype(weight_dtype) for w in weights]
+    return cfg, data, MambaWeights(*(None if w is None else w.astype(weight_dtype) for w in weights))
 
 
-def kernel_middle(cfg, zxbcdt, mask, ring, slot, *weights_and_state):
+def kernel_middle(cfg, zxbcdt, mask, ring, slot, weights, state):
     reference = functools.partial(mixer_middle, cfg, jnp.float32)
-    args = (zxbcdt, mask, ring, slot, *weights_and_state)
+    args = (zxbcdt, mask, ring, slot, weights, state)
     return cpu_kernels.mamba_step(*args, cfg.time_step_limit, cfg.rms_norm_eps, reference)
 
 
-def float64_middle(cfg, *args):
+def float64_middle(cfg, zxbcdt, mask, ring, slot, weights, state):
     """`model.mixer_middle` (the XLA path) in float64 on the inputs' exact values."""
     with jax.enable_x64(True):
-        wide = [
-            a if a is None or np.ndim(a) == 0 or a.dtype == jnp.bool_ else jnp.asarray(a, jnp.float64) for a in args
-        ]
-        return [np.asarray(t) for t in jax.jit(functools.partial(mixer_middle, cfg, jnp.float64))(*wide)]
+        wide = lambda t: jnp.asarray(t, jnp.float64)  # noqa: E731
+        args = (wide(zxbcdt), mask, wide(ring), slot, jax.tree.map(wide, weights), wide(state))
+        return [np.asarray(t) for t in jax.jit(functools.partial(mixer_middle, cfg, jnp.float64))(*args)]
 
 
-# h-350m's Mamba dims at batch 8; batch 1; a head size and state size off the vectors, two groups, three taps, no
-# conv bias, bfloat16 weights, a masked row and time steps clipped at both ends; bfloat16 weights with g = h.
+# h-350m's Mamba dims at batch 8; batch 1 with no mask; a head size and state size off the vectors, two groups, three
+# taps, no conv bias, bfloat16 weights, a masked row and time steps clipped at both ends; bfloat16 weights, g = h.
 @pytest.mark.parametrize(
     "b,h,p,g,n,K,bias,weight_dtype,limit,slot",
     [
@@ -487,8 +486,8 @@ def test_mamba_step_matches_float64(b, h, p, g, n, K, bias, weight_dtype, limit,
     cfg, (zxbcdt, ring, state), weights = mamba_case(
         b, h, p, g, n, K, bias=bias, weight_dtype=weight_dtype, limit=limit
     )
-    mask = jnp.asarray(np.arange(b) % 3 != 2)[:, None]  # the third row is padding
-    args = (zxbcdt, mask, ring, jnp.int32(slot), *weights, state)
+    mask = None if b == 1 else jnp.asarray(np.arange(b) % 3 != 2)[:, None]  # the third row is padding
+    args = (zxbcdt, mask, ring, jnp.int32(slot), weights, state)
     assert cpu_kernels.MAMBA_TARGET in lowered(functools.partial(kernel_middle, cfg), *args)
     y, new_ring, new_state = jax.jit(functools.partial(kernel_middle, cfg))(*args)
     y64, ring64, state64 = float64_middle(cfg, *args)
@@ -503,26 +502,26 @@ def test_mamba_step_matches_float64(b, h, p, g, n, K, bias, weight_dtype, limit,
 def test_mamba_step_in_place_over_several_tokens():
     # The decode loop: ring and state donated to each step and updated in their buffers, the ring's slot going round.
     cfg, (zxbcdt, ring, state), weights = mamba_case(2, 6, 8, 2, 16, 4, seed=1)
-    step = jax.jit(functools.partial(kernel_middle, cfg), donate_argnums=(2, 10))
+    step = jax.jit(functools.partial(kernel_middle, cfg), donate_argnums=(2, 5))
     tokens = jnp.asarray(np.random.default_rng(2).standard_normal((7, *zxbcdt.shape)), jnp.float32)
     mask = jnp.ones((2, 1), jnp.bool_)
     ring64, state64 = np.asarray(ring, np.float64), np.asarray(state, np.float64)
     for t in range(7):
-        y, ring, state = step(tokens[t], mask, ring, jnp.int32(t + 5), *weights, state)
-        y64, ring64, state64 = float64_middle(cfg, tokens[t], mask, ring64, jnp.int32(t + 5), *weights, state64)
+        y, ring, state = step(tokens[t], mask, ring, jnp.int32(t + 5), weights, state)
+        y64, ring64, state64 = float64_middle(cfg, tokens[t], mask, ring64, jnp.int32(t + 5), weights, state64)
         assert rel(y, y64) < 1e-5
     assert rel(ring, ring64) == 0 and rel(state, state64) < 1e-5
 
 
 def test_mamba_step_elsewhere_is_xla():
     cfg, (zxbcdt, ring, state), weights = mamba_case(2, 4, 8, 1, 16, 4)
-    args = (zxbcdt, jnp.ones((2, 1), jnp.bool_), ring, jnp.int32(3), *weights, state)
+    mask, slot = jnp.ones((2, 1), jnp.bool_), jnp.int32(3)
     fn = functools.partial(kernel_middle, cfg)
-    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, *args, platform="cuda")
+    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, zxbcdt, mask, ring, slot, weights, state, platform="cuda")
     bf16 = [a.astype(jnp.bfloat16) for a in (zxbcdt, ring)]  # a bfloat16 model's activations: XLA's
-    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, bf16[0], args[1], bf16[1], *args[3:])
-    mixed = [*weights[:-1], weights[-1].astype(jnp.bfloat16)]  # weights of two dtypes: XLA's
-    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, *args[:4], *mixed, state)
+    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, bf16[0], mask, bf16[1], slot, weights, state)
+    mixed = weights._replace(norm_weight=weights.norm_weight.astype(jnp.bfloat16))  # two weight dtypes: XLA's
+    assert cpu_kernels.MAMBA_TARGET not in lowered(fn, zxbcdt, mask, ring, slot, mixed, state)
 
 
 @needs_kernel
@@ -531,15 +530,14 @@ def test_mamba_step_gradients():
     mask = jnp.ones((2, 1), jnp.bool_)
 
     def loss(middle, zxbcdt, weights, state):
-        y, new_ring, new_state = middle(zxbcdt, mask, ring, jnp.int32(2), *weights, state)
+        y, new_ring, new_state = middle(zxbcdt, mask, ring, jnp.int32(2), weights, state)
         return jnp.sum(jnp.sin(y)) + jnp.sum(jnp.cos(new_state)) + jnp.sum(new_ring**2)
 
     kernel, xla = functools.partial(kernel_middle, cfg), functools.partial(mixer_middle, cfg, jnp.float32)
     grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)
     assert cpu_kernels.MAMBA_TARGET in grad.lower(kernel, zxbcdt, weights, state).as_text()
-    for g, w in zip(
-        jax.tree.leaves(grad(kernel, zxbcdt, weights, state)), jax.tree.leaves(grad(xla, zxbcdt, weights, state))
-    ):
+    got, want = (jax.tree.leaves(grad(middle, zxbcdt, weights, state)) for middle in (kernel, xla))
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 

@@ -199,17 +199,18 @@ void gated_norm(const MambaShape& s, int64_t r, int64_t g, const float* zxbcdt, 
 // XLA ran these as about ten small fusions per layer around the state update (each a few microseconds of work and
 // 5-20 of dispatch and thread handoff at batch 8). The conv and the norm go one row (and group) per chunk, the state
 // update one (b, h) slab per item, each phase split between the calling thread and XLA's intra-op pool.
-ffi::Error MambaStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> zxbcdt, ffi::Buffer<ffi::F32> mask,
-                     ffi::Buffer<ffi::F32> ring, ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer conv_w, ffi::AnyBuffer conv_b,
-                     ffi::AnyBuffer dt_bias, ffi::AnyBuffer A_log, ffi::AnyBuffer D, ffi::AnyBuffer norm_w,
-                     ffi::Buffer<ffi::F32> state, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> new_ring,
-                     ffi::ResultBuffer<ffi::F32> new_state, float lo, float hi, float eps) {
+ffi::Error MambaStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> zxbcdt, ffi::Buffer<ffi::PRED> mask,
+                     ffi::Buffer<ffi::F32> ring, ffi::Buffer<ffi::S32> slot, ffi::AnyBuffer conv_w,
+                     ffi::AnyBuffer conv_b, ffi::AnyBuffer dt_bias, ffi::AnyBuffer A_log, ffi::AnyBuffer D,
+                     ffi::AnyBuffer norm_w, ffi::Buffer<ffi::F32> state, ffi::ResultBuffer<ffi::F32> out,
+                     ffi::ResultBuffer<ffi::F32> new_ring, ffi::ResultBuffer<ffi::F32> new_state, float lo, float hi,
+                     float eps) {
   auto sd = state.dimensions();
   auto rd = ring.dimensions();
   const char* expected =
-      "mamba_step: expected zxbcdt (b, 1, d_inner + conv_dim + h), mask (b, 1), ring (b, K, conv_dim) with K <= 16, "
-      "slot (), conv weight (K, conv_dim), conv bias (conv_dim,), dt_bias, A_log and D (h,), norm weight (d_inner,) "
-      "of one dtype, state (b, h, p, n), conv_dim = h p + 2 g n with g dividing h";
+      "mamba_step: expected zxbcdt (b, 1, d_inner + conv_dim + h), a boolean mask (b, 1), ring (b, K, conv_dim) "
+      "with K <= 16, slot (), conv weight (K, conv_dim), conv bias (conv_dim,), dt_bias, A_log and D (h,), norm "
+      "weight (d_inner,) of one dtype, state (b, h, p, n), conv_dim = h p + 2 g n with g dividing h";
   if (sd.size() != 4 || rd.size() != 3 || rd[0] != sd[0] || rd[1] < 1 || rd[1] > 16) {
     return ffi::Error::InvalidArgument(expected);
   }
@@ -230,7 +231,8 @@ ffi::Error MambaStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> zxbcdt, ffi::Bu
   if (s.b == 0) return ffi::Error::Success();
   // The ring and the state are updated in their own buffers (aliased to them by cpu_kernels._mamba_kernel).
   float *rings = new_ring->typed_data(), *states = new_state->typed_data(), *outs = out->typed_data();
-  const float *in = zxbcdt.typed_data(), *masks = mask.typed_data();
+  const float* in = zxbcdt.typed_data();
+  const bool* masks = mask.typed_data();
   std::vector<float> scratch(s.b * (C + s.H + 2 * s.inner()));
   float* xbc = scratch.data();              // (b, conv_dim): x, B, C after the conv
   float* decay = xbc + s.b * C;             // (b, h)
@@ -242,7 +244,8 @@ ffi::Error MambaStep(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> zxbcdt, ffi::Bu
     const T *al = static_cast<const T*>(A_log.untyped_data()), *ds = static_cast<const T*>(D.untyped_data());
     const T* nw = static_cast<const T*>(norm_w.untyped_data());
     granite::parallel_chunks(pool, s.b, [=](int64_t r) {
-      conv_and_time_steps(s, r, in, masks[r], rings, at, cw, cb, dtb, al, lo, hi, xbc + r * C, decay + r * s.H,
+      const float keep = masks[r] ? 1.0f : 0.0f;
+      conv_and_time_steps(s, r, in, keep, rings, at, cw, cb, dtb, al, lo, hi, xbc + r * C, decay + r * s.H,
                           dtx + r * s.inner());
     });
     const int64_t slabs = s.b * s.H, chunk = granite::chunk_length(pool, slabs, 1, 4);
@@ -276,7 +279,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_mamba_step, MambaStep,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // zxbcdt
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // mask
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask
                                   .Arg<ffi::Buffer<ffi::F32>>()  // ring
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slot
                                   .Arg<ffi::AnyBuffer>()         // conv weight
