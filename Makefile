@@ -30,7 +30,7 @@ $(AOT)/.installed: $(VENV)/.installed
 # Two pytest workers (pytest-xdist): most of the suite's time is single-threaded compilation and script start-up.
 # Then the `aot` tests, with the plugin, on the CPU platform.
 test: lint $(AOT)/.installed
-	$(BIN)/python -m pytest -q -n 2 -m "not aot"
+	$(BIN)/python -m pytest -q -n 2 -m "not aot" --durations=30
 	GRANITE_JAX_REQUIRE_AOT=1 JAX_PLATFORMS=cpu PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -m aot
 
 demo: install
