@@ -1,8 +1,9 @@
-"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session; and the
-float64 attention oracle of the model and kernel tests."""
+"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session; a
+script's `main` called in this process; and the float64 attention oracle of the model and kernel tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -15,6 +16,26 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_disable_most_optimizations", True)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture
+def script_main(capsys):
+    """Call a script's `main(argv)` in this process: (exit code, stderr). Cheaper than a subprocess for argument
+    errors (no interpreter and jax start-up per case); each script's own tests still run it once as a process."""
+
+    def call(path: str, args: list[str]) -> tuple[int, str]:
+        name = "script_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        capsys.readouterr()
+        try:
+            code = module.main(args)
+        except SystemExit as e:  # argparse's errors
+            code = e.code
+        return code, capsys.readouterr().err
+
+    return call
 
 
 @pytest.fixture(scope="session")

@@ -749,7 +749,7 @@ def test_decode_attention_benchmark_compares_the_two_steps(tmp_path):
     assert doc["median_xla_over_kernel"] > 0 and "40-token context" in proc.stdout
 
 
-def test_benchmark_script_refuses_bad_arguments(tmp_path):
+def test_benchmark_script_refuses_bad_arguments(tmp_path, script_main):
     no_dir = str(tmp_path / "no" / "x.json")
     bad = (
         (["--rows", "2,x"], "argument --rows: expected comma-separated positive integers, got '2,x'"),
@@ -761,8 +761,10 @@ def test_benchmark_script_refuses_bad_arguments(tmp_path):
         (["--dtype", "float16"], "--dtype"),
     )
     for args, message in bad:
-        proc = subprocess.run([sys.executable, BENCHMARK, *args], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        code, err = script_main(BENCHMARK, args)
+        assert code == 2 and message in err, err
+    proc = subprocess.run([sys.executable, BENCHMARK, *bad[0][0]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and bad[0][1] in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -573,17 +573,30 @@ CLI_ERRORS = [  # (arguments, stdin, expected message)
 ]
 
 
-def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint, tmp_path):
+def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint, tmp_path, capsys):
     rope = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=64)
     badtok = shutil.copytree(checkpoint, tmp_path / "badtok")
     (badtok / "tokenizer.json").write_text("{")
     runs = []
-    for args, stdin, message in CLI_ERRORS:  # all at once: each run is mostly interpreter and import start-up
-        process = start_cli(*(a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args))
-        if stdin is not None:
-            process.stdin.write(stdin)
+    # As processes, all at once (each is mostly interpreter and import start-up): those that read standard input,
+    # and the first, for the exit status of `python -m`; the rest through `main` in this process.
+    for i, (args, stdin, message) in enumerate(CLI_ERRORS):
+        args = [a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args]
+        if stdin is None and i > 0:
+            continue
+        process = start_cli(*args)
+        process.stdin.write(stdin or b"")
         process.stdin.close()
         runs.append((process, message))
+    for args, stdin, message in CLI_ERRORS[1:]:
+        if stdin is None:
+            capsys.readouterr()
+            try:
+                code = generate_module.main([a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args])
+            except SystemExit as e:  # argparse's errors
+                code = e.code
+            err = capsys.readouterr().err.strip()
+            assert code == 2 and len(err.splitlines()) == 1 and message in err, err
     for process, message in runs:
         err = process.stderr.read().decode().strip()
         assert process.wait(timeout=600) == 2, err
