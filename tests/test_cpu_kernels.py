@@ -499,6 +499,23 @@ def test_mamba_step_matches_float64(b, h, p, g, n, K, bias, weight_dtype, limit,
 
 
 @needs_kernel
+def test_mamba_step_saturates_like_float64_on_large_activations():
+    # The kernel's SiLU uses its own exp, clamped to [-87.3, 88]: far past the clamp (|x| in the hundreds and 1e4,
+    # where the time steps' softplus is x itself and the decay underflows to 0) and at exact zeros it still gives
+    # float64's values, finite, on the vector lanes and the scalar tail (the conv's 90 channels: 11 vectors and 2).
+    cfg, (zxbcdt, ring, state), weights = mamba_case(2, 6, 8, 1, 21, 4, seed=4)
+    rng = np.random.default_rng(5)
+    big = 60.0 * np.asarray(zxbcdt)
+    big.flat[rng.choice(big.size, 12, replace=False)] = [1e4, -1e4, 0.0] * 4
+    zxbcdt, ring = jnp.asarray(big), 60.0 * ring
+    args = (zxbcdt, jnp.ones((2, 1), jnp.bool_), ring, jnp.int32(1), weights, state)
+    y, _, new_state = jax.jit(functools.partial(kernel_middle, cfg))(*args)
+    y64, _, state64 = float64_middle(cfg, *args)
+    assert np.isfinite(y).all() and np.isfinite(new_state).all()
+    assert rel(y, y64) < 1e-5 and rel(new_state, state64) < 1e-5
+
+
+@needs_kernel
 def test_mamba_step_in_place_over_several_tokens():
     # The decode loop: ring and state donated to each step and updated in their buffers, the ring's slot going round.
     cfg, (zxbcdt, ring, state), weights = mamba_case(2, 6, 8, 2, 16, 4, seed=1)

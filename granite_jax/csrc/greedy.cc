@@ -76,4 +76,7 @@ ffi::Error Greedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Resul
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_greedy, Greedy,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits (b, V)
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // ids (b,)

@@ -51,12 +51,12 @@ namespace {
 
 constexpr int LANES = 8;                // outputs per panel, and rows of x per group: one AVX2 vector
 constexpr int64_t MAX_ROWS = 16;          // rows of x (cpu_kernels.MAX_ROWS)
-constexpr int64_t PREFETCH_BYTES = 2048;  // measured best of 512-4096 on the test VM
 constexpr int64_t K_BLOCK = 256;          // 8 KB of a panel: L1-resident while a second group of rows reuses it
 constexpr int STREAMS = 4;                // row ranges a thread reads at once in MatVec (4 and 8 measured best)
 constexpr int64_t MIN_TILED_ROWS = 4;     // rows of one expert from which ExpertMatvec tiles them in registers
 
 using granite::bf16;
+using granite::PREFETCH_BYTES;
 using granite::load8;
 using granite::to_float;
 

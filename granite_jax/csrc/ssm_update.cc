@@ -29,9 +29,9 @@ using granite::to_float;
 constexpr int LANES = 8;
 
 // The state comes from memory (a decode step's weights pass through the caches between two updates of a layer), in one
-// sequential stream per thread: prefetched this far ahead in software, a batch-1 step's updates of h-350m took 0.84x
-// the time on the 2-core Intel Xeon VM of 2026-12-01 (profiled, 1.98 against 2.36 ms a step).
-constexpr int64_t PREFETCH_BYTES = 2048;
+// sequential stream per thread, prefetched PREFETCH_BYTES ahead in software (parallel.h): a batch-1 step's updates of
+// h-350m took 0.84x the time on the 2-core Intel Xeon VM of 2026-12-01 (profiled, 1.98 against 2.36 ms a step).
+using granite::PREFETCH_BYTES;
 
 // One (b, h) slab: P rows of N state entries.
 void update_slab(float* __restrict state, const float* __restrict dtx, float decay, const float* __restrict B,
