@@ -3,6 +3,7 @@ script's `main` called in this process; and the float64 attention oracle of the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -18,22 +19,29 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-@pytest.fixture
-def script_main(capsys):
-    """Call a script's `main(argv)` in this process: (exit code, stderr). Cheaper than a subprocess for argument
-    errors (no interpreter and jax start-up per case); each script's own tests still run it once as a process."""
+@functools.cache
+def load_script(path: str):
+    """A script (benchmarks/*.py: not modules of a package) imported once per test process."""
+    spec = importlib.util.spec_from_file_location("script_" + os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    def call(path: str, args: list[str]) -> tuple[int, str]:
-        name = "script_" + os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+
+@pytest.fixture
+def call_main(capsys):
+    """`call_main(main, argv)` -> (exit code, stderr): a command's `main` (or a script's, given its path) run in this
+    process. Cheaper than a subprocess for argument errors (no interpreter and jax start-up per case); each command's
+    own tests still run it once as a process, for the exit status."""
+
+    def call(main, args: list[str]) -> tuple[int, str]:
+        main = load_script(main).main if isinstance(main, str) else main
         capsys.readouterr()
         try:
-            code = module.main(args)
+            code = main(args)
         except SystemExit as e:  # argparse's errors
             code = e.code
-        return code, capsys.readouterr().err
+        return code, capsys.readouterr().err.strip()
 
     return call
 

@@ -500,13 +500,17 @@ def test_mamba_step_matches_float64(b, h, p, g, n, K, bias, weight_dtype, limit,
 
 @needs_kernel
 def test_mamba_step_saturates_like_float64_on_large_activations():
-    # The kernel's SiLU uses its own exp, clamped to [-87.3, 88]: far past the clamp (|x| in the hundreds and 1e4,
-    # where the time steps' softplus is x itself and the decay underflows to 0) and at exact zeros it still gives
-    # float64's values, finite, on the vector lanes and the scalar tail (the conv's 90 channels: 11 vectors and 2).
+    # The kernel's SiLU uses its own exp, clamped to [-87.3, 88]. Far past the clamp and at exact zeros it still gives
+    # float64's values, finite: z and the conv's inputs at +-1e4 and 0 on the vector lanes and on the scalar tail (the
+    # conv's 90 channels: 11 vectors and 2), the rest at 60 sigma; time steps of 1e4 (softplus is x itself, the decay
+    # underflows to 0) and -1e4 (dt 0, no decay).
     cfg, (zxbcdt, ring, state), weights = mamba_case(2, 6, 8, 1, 21, 4, seed=4)
-    rng = np.random.default_rng(5)
     big = 60.0 * np.asarray(zxbcdt)
-    big.flat[rng.choice(big.size, 12, replace=False)] = [1e4, -1e4, 0.0] * 4
+    d_inner, conv = 6 * 8, 6 * 8 + 2 * 21
+    extremes = [1e4, -1e4, 0.0]
+    for start in (0, d_inner, d_inner + conv - 3):  # z's first lanes, the conv's first lanes and its tail
+        big[:, 0, start : start + 3] = extremes
+    big[:, 0, d_inner + conv : d_inner + conv + 3] = extremes  # three heads' time steps
     zxbcdt, ring = jnp.asarray(big), 60.0 * ring
     args = (zxbcdt, jnp.ones((2, 1), jnp.bool_), ring, jnp.int32(1), weights, state)
     y, _, new_state = jax.jit(functools.partial(kernel_middle, cfg))(*args)
@@ -766,7 +770,7 @@ def test_decode_attention_benchmark_compares_the_two_steps(tmp_path):
     assert doc["median_xla_over_kernel"] > 0 and "40-token context" in proc.stdout
 
 
-def test_benchmark_script_refuses_bad_arguments(tmp_path, script_main):
+def test_benchmark_script_refuses_bad_arguments(tmp_path, call_main):
     no_dir = str(tmp_path / "no" / "x.json")
     bad = (
         (["--rows", "2,x"], "argument --rows: expected comma-separated positive integers, got '2,x'"),
@@ -778,7 +782,7 @@ def test_benchmark_script_refuses_bad_arguments(tmp_path, script_main):
         (["--dtype", "float16"], "--dtype"),
     )
     for args, message in bad:
-        code, err = script_main(BENCHMARK, args)
+        code, err = call_main(BENCHMARK, args)
         assert code == 2 and message in err, err
     proc = subprocess.run([sys.executable, BENCHMARK, *bad[0][0]], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and bad[0][1] in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

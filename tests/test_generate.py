@@ -573,29 +573,26 @@ CLI_ERRORS = [  # (arguments, stdin, expected message)
 ]
 
 
-def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint, tmp_path, capsys):
+def test_cli_errors_exit_2_with_one_line(hf_checkpoint, checkpoint, tmp_path, call_main):
     rope = hf_checkpoint(position_embedding_type="rope", rope_theta=10000.0, max_position_embeddings=64)
     badtok = shutil.copytree(checkpoint, tmp_path / "badtok")
     (badtok / "tokenizer.json").write_text("{")
+
+    def argv(args):
+        return [a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args]
+
+    # As processes, all at once (each is mostly interpreter and import start-up): the first, for the exit status of
+    # `python -m`, and those that read standard input; the rest through `main` in this process meanwhile.
+    as_processes = [CLI_ERRORS[0]] + [case for case in CLI_ERRORS if case[1] is not None]
     runs = []
-    # As processes, all at once (each is mostly interpreter and import start-up): those that read standard input,
-    # and the first, for the exit status of `python -m`; the rest through `main` in this process.
-    for i, (args, stdin, message) in enumerate(CLI_ERRORS):
-        args = [a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args]
-        if stdin is None and i > 0:
-            continue
-        process = start_cli(*args)
+    for args, stdin, message in as_processes:
+        process = start_cli(*argv(args))
         process.stdin.write(stdin or b"")
         process.stdin.close()
         runs.append((process, message))
-    for args, stdin, message in CLI_ERRORS[1:]:
-        if stdin is None:
-            capsys.readouterr()
-            try:
-                code = generate_module.main([a.format(ckpt=checkpoint, rope=rope, badtok=badtok) for a in args])
-            except SystemExit as e:  # argparse's errors
-                code = e.code
-            err = capsys.readouterr().err.strip()
+    for args, stdin, message in CLI_ERRORS:
+        if (args, stdin, message) not in as_processes:
+            code, err = call_main(generate_module.main, argv(args))
             assert code == 2 and len(err.splitlines()) == 1 and message in err, err
     for process, message in runs:
         err = process.stderr.read().decode().strip()
