@@ -12,18 +12,15 @@ import math
 import os
 from typing import Any
 
+from granite_jax.errors import ConfigError
+
 MAMBA, ATTENTION = "mamba", "attention"
 _LAYER_TYPE_ALIASES = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION, "full_attention": ATTENTION}
-SSD_IMPLS = ("xla", "naive", "pallas")
-
-
-class ConfigError(ValueError):
-    """A config value that is missing, inconsistent or not supported by granite-jax."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Architecture of a GraniteMoeHybrid model, plus the SSD implementation used to run it."""
+    """Architecture of a GraniteMoeHybrid model: what its config.json says (how it runs is `ops.Runtime`)."""
 
     vocab_size: int
     hidden_size: int
@@ -55,7 +52,6 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_id: tuple[int, ...] = (2,)
     pad_token_id: int | None = None
-    ssd_impl: str = "xla"
 
     def __post_init__(self):
         self._normalize()
@@ -100,8 +96,6 @@ class ModelConfig:
         for i, t in enumerate(self.layer_types):
             if t not in (MAMBA, ATTENTION):
                 raise ConfigError(f"layer_types[{i}]: unknown layer type {t!r}; expected 'mamba' or 'attention'")
-        if self.ssd_impl not in SSD_IMPLS:
-            raise ConfigError(f"ssd_impl: {self.ssd_impl!r} is not one of {SSD_IMPLS}")
         for name in _POSITIVE_INTS:
             _check_int(name, getattr(self, name), 1)
         _check_int("num_local_experts", self.num_local_experts, 0)

@@ -1,21 +1,22 @@
 """Granite 4.0 (GraniteMoeHybrid) in Flax NNX: hybrid Mamba-2 / attention decoder with MoE and a shared MLP.
 
 A port of transformers' `GraniteMoeHybridForCausalLM` (`models/granitemoehybrid/modeling_granitemoehybrid.py`),
-readable top to bottom: norms, the Mamba-2 mixer, attention, the MoE and the shared MLP, the decoder layer, the model.
-Attribute names mirror the Hugging Face checkpoint so that `params.py` is a plain table.
+readable top to bottom: products and norms, the Mamba-2 mixer, attention, the MoE and the shared MLP, the decoder
+layer, the model. Attribute names mirror the Hugging Face checkpoint so that the importer is a plain table.
 
 Batches are left-padded: `pad[b]` is the number of padding tokens before row b's prompt. Padding never reaches a real
 token: attention masks it out and the Mamba mixer zeroes it before and after the causal conv, so its state stays
 exactly that of the prompt run alone. The decode cache is a pytree (`Cache`) passed in and returned, never stored in
 the module, so one jitted step can donate it.
+
+Everything here is plain JAX. The functions marked `@ops.replaceable` are where a platform's kernels may take over
+(`granite_jax.ops`); which do is the model's `Runtime`, entered by `Granite.forward`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,15 +25,16 @@ from flax import nnx
 from jax import lax
 from jax.typing import DTypeLike
 
-from granite_jax import cpu_kernels
+from granite_jax import ops
 from granite_jax.config import ATTENTION, MAMBA, ModelConfig
+from granite_jax.ops import Runtime
 from granite_jax.ssd import ssd, ssd_step
 
 Array = jax.Array
 _MASKED = -1e30  # finite, so fully masked (padding) rows give a harmless uniform softmax instead of NaN
-# Cache slots per step of `attend_cache`: one-token decode steps visit up to a block of unfilled slots, and 256 made
-# batch-8 decode steps of the h-350m shape ~5% faster than 512 (same process, interleaved, 2026-11-30).
+# Cache slots per step of `attend_cache`: a one-token decode step visits up to a block of unfilled slots.
 KV_BLOCK, DECODE_KV_BLOCK = 512, 256
+GATHER_ROWS = 64  # up to this many rows `expert_linear` gathers the chosen experts' matrices; beyond, it groups rows
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -104,37 +106,34 @@ class Positions:
         return causal[None] & (key_slots[None, None, :] >= self.pad[:, None, None])
 
 
-# ---------------------------------------------------------------------------------------------- layers
+# ---------------------------------------------------------------------------------------------- products, norms
 
 
-class Packed(nnx.Variable):
-    """A weight copied into `cpu_kernels.pack`'s panel layout for decoding on CPUs: derived, not a parameter."""
+@ops.replaceable
+def linear(x: Array, w: Array) -> Array:
+    """x (..., K) @ w (N, K)^T in x's dtype, w cast to it where it is used."""
+    return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
 class Linear(nnx.Module):
-    """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint.
-
-    The layout is for decoding: XLA:CPU's matrix-vector product contracting W's contiguous last axis runs ~1.35x
-    faster at batch 1 than `x @ W` with W (in, out) (nnx.Linear's layout), and the same at prefill sizes. After
-    `pack()`, float32 and bfloat16 products of 2-16 rows on a CPU stream a panel-layout copy of W through
-    `cpu_kernels`'s kernel (docs/generation.md).
-    """
+    """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint: the product contracts W's contiguous axis,
+    the one a decode step's matrix-vector product streams."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
         self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), param_dtype))
         self.dtype = dtype
-        self.packed: Packed | None = nnx.data(None)  # a data attribute: `pack` may set it
 
     def __call__(self, x: Array) -> Array:
-        packed = None if self.packed is None else self.packed[...]
-        return cpu_kernels.linear(x.astype(self.dtype), self.weight[...], packed)  # W as stored: see `linear`
-
-    def pack(self) -> None:
-        self.packed = Packed(cpu_kernels.pack(self.weight[...]))
+        return linear(x.astype(self.dtype), self.weight[...])
 
 
-# ---------------------------------------------------------------------------------------------- norms
+@ops.replaceable
+def embedding_rows(table: Array, ids: Array) -> Array:
+    """table[ids] in float32 for a (V, H) table: (..., H), rows of NaN for ids outside [0, V)."""
+    ids = ids.astype(jnp.int32)
+    ids = jnp.where(ids < 0, table.shape[0], ids)  # past the end: `take` would wrap negative ids around (-1: last row)
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(jnp.float32)
 
 
 def rms_normalize(x: Array, eps: float) -> Array:
@@ -152,7 +151,7 @@ class RMSNorm(nnx.Module):
 
 
 class GatedRMSNorm(nnx.Module):
-    """The weight of the Mamba mixer's gated norm (`gated_rms_norm`, applied by `mixer_middle`)."""
+    """The weight of the Mamba mixer's gated norm (applied by `gated_rms_norm`)."""
 
     def __init__(self, dim: int, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
@@ -173,8 +172,8 @@ def conv_step(x: Array, ring: Array, slot: Array | int, weight: Array, bias: Arr
     """`causal_conv` of one token x (b, 1, C) at `slot` on a ring of inputs (`MambaState.conv`): (out, new ring).
 
     x is written over the oldest entry first, in place, and the conv reads the updated ring, as attention reads the
-    updated KV cache: a shifted copy of the history, or reads of the old ring beside the update, made XLA copy every
-    layer's conv state at each decode step. The taps are summed as in `causal_conv` (`weighted_taps`)."""
+    updated KV cache: a shifted copy of the history, or reads of the old ring beside the update, would make XLA copy
+    every layer's conv state at each decode step. The taps are summed as in `causal_conv` (`weighted_taps`)."""
     K = ring.shape[1]
     ring = lax.dynamic_update_slice_in_dim(ring, x.astype(ring.dtype), slot % K, axis=1)
     taps = [lax.dynamic_index_in_dim(ring, (slot + 1 + k) % K, axis=1).astype(x.dtype) for k in range(K)]
@@ -207,103 +206,6 @@ def causal_conv(x: Array, history: Array, weight: Array, bias: Array | None) -> 
     return weighted_taps([padded[:, k : k + T] for k in range(K)], weight, bias), padded[:, T:]
 
 
-class MambaMixer(nnx.Module):
-    """Mamba-2 mixer: in_proj -> [z | xBC | dt]; causal conv + SiLU on xBC -> [x | B | C]; SSD; gated norm; out_proj."""
-
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype = cfg, dtype
-        h, conv_dim = cfg.mamba_n_heads, cfg.mamba_conv_dim
-        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.in_proj = Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear)
-        bound = 1 / math.sqrt(cfg.mamba_d_conv)
-        self.conv_weight = nnx.Param(
-            jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
-        )
-        self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype)) if cfg.mamba_conv_bias else None
-        self.dt_bias = nnx.Param(jnp.ones((h,), param_dtype))
-        self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(param_dtype))
-        self.D = nnx.Param(jnp.ones((h,), param_dtype))
-        self.norm = GatedRMSNorm(cfg.mamba_d_inner, param_dtype=param_dtype)
-        self.out_proj = Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear)
-
-    def __call__(
-        self, x: Array, token_mask: Array | None = None, state: MambaState | None = None, slot: Array | int = 0
-    ) -> tuple[Array, MambaState]:
-        """x (b, T, H) at slots [slot, slot + T), from `state` (None: from scratch) -> (out, new state)."""
-        cfg, T = self.cfg, x.shape[1]
-        masked = x if token_mask is None else x * token_mask[..., None].astype(x.dtype)
-        zxbcdt = self.in_proj(masked)
-        ring, ssm = (None, None) if state is None else (state.conv, state.ssm)
-        middle = functools.partial(mixer_middle, cfg, self.dtype)
-        args = (zxbcdt, token_mask, ring, slot, self.weights(), ssm)
-        if state is not None and T == 1 and cfg.ssd_impl != "pallas":
-            # One decoding step: on CPUs one kernel call (cpu_kernels.mamba_step), elsewhere `mixer_middle`.
-            y, ring, ssm = cpu_kernels.mamba_step(*args, cfg.time_step_limit, cfg.rms_norm_eps, middle)
-        else:
-            y, ring, ssm = middle(*args)
-        return self.out_proj(y), MambaState(ring, ssm)
-
-    def weights(self) -> MambaWeights:
-        bias = None if self.conv_bias is None else self.conv_bias[...]
-        return MambaWeights(
-            self.conv_weight[...], bias, self.dt_bias[...], self.A_log[...], self.D[...], self.norm.weight[...]
-        )
-
-
-class MambaWeights(NamedTuple):
-    """The mixer's weights between its projections, in `cpu_kernels.mamba_step`'s order."""
-
-    conv_weight: Array  # (K, conv_dim)
-    conv_bias: Array | None  # (conv_dim,)
-    dt_bias: Array  # (heads,)
-    A_log: Array  # (heads,)
-    D: Array  # (heads,)
-    norm_weight: Array  # (d_inner,)
-
-
-def mixer_middle(
-    cfg: ModelConfig,
-    dtype,
-    zxbcdt: Array,
-    token_mask: Array | None,
-    ring: Array | None,
-    slot: Array | int,
-    weights: MambaWeights,
-    ssm: Array | None,
-) -> tuple[Array, Array, Array]:
-    """The Mamba-2 mixer between its projections: in_proj's output zxbcdt (b, T, d_inner + conv_dim + heads) = [z | xBC
-    | dt] at slots [slot, slot + T) after the conv inputs in `ring` and the SSD state `ssm` (both None: from scratch)
-    -> (the gated, normed SSD output y (b, T, d_inner), the new ring, the new state). token_mask (b, T): the real
-    tokens (None: all); the others' conv outputs are zeroed, so that padding never enters the state. `weights`
-    (`MambaMixer.weights`) may be float32 or bfloat16; the arithmetic is float32 up to the SSD's inputs (`dtype`)."""
-    b, T, _ = zxbcdt.shape
-    h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
-    z, xBC, dt = jnp.split(zxbcdt, [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
-    xBC, ring = mamba_conv(xBC, ring, slot, weights.conv_weight, weights.conv_bias)
-    xBC = jax.nn.silu(xBC) if token_mask is None else jax.nn.silu(xBC) * token_mask[..., None].astype(xBC.dtype)
-    # The SSD's x, B, C in the model's dtype, as transformers' conv1d returns them: bfloat16 models give the Pallas
-    # kernels bfloat16 tiles (float32 inputs cost them 3xTF32 products, 3.3x the time at h-tiny dims on an H200).
-    xs, B, C = jnp.split(xBC.astype(dtype), [h * p, h * p + g * n], -1)
-
-    lo, hi = cfg.time_step_limit
-    dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32)), lo, hi)
-    A = -jnp.exp(weights.A_log.astype(jnp.float32))
-    D = weights.D.astype(jnp.float32)
-    xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
-    if ssm is not None and T == 1:
-        if cfg.ssd_impl == "pallas":
-            from pallas_kernels import ssd_decode
-
-            y, ssm = ssd_decode(ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-        else:
-            y, ssm = ssd_step(ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-        y = y[:, None]
-    else:
-        y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=ssm, impl=cfg.ssd_impl)
-    y = gated_rms_norm(y.reshape(b, T, h * p), z, weights.norm_weight, g, cfg.rms_norm_eps, dtype)
-    return y, ring, ssm
-
-
 def mamba_conv(
     xBC: Array, ring: Array | None, slot: Array | int, weight: Array, bias: Array | None
 ) -> tuple[Array, Array]:
@@ -316,6 +218,69 @@ def mamba_conv(
         return conv_step(xBC, ring, slot, weight, bias)
     out, history = causal_conv(xBC, ring_history(ring, slot), weight, bias)
     return out, history_ring(history, slot + T).astype(ring.dtype)
+
+
+class MambaMixer(nnx.Module):
+    """Mamba-2 mixer (Dao & Gu 2024, §7): in_proj -> [z | xBC | dt]; causal conv + SiLU on xBC -> [x | B | C]; the
+    SSD of (x, dt, A, B, C, D); the gated norm of its output by z; out_proj."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        h, conv_dim = cfg.mamba_n_heads, cfg.mamba_conv_dim
+        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.in_proj = Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear_kw)
+        bound = 1 / math.sqrt(cfg.mamba_d_conv)
+        self.conv_weight = nnx.Param(
+            jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
+        )
+        self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype)) if cfg.mamba_conv_bias else None
+        self.dt_bias = nnx.Param(jnp.ones((h,), param_dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(param_dtype))
+        self.D = nnx.Param(jnp.ones((h,), param_dtype))
+        self.norm = GatedRMSNorm(cfg.mamba_d_inner, param_dtype=param_dtype)
+        self.out_proj = Linear(cfg.mamba_d_inner, cfg.hidden_size, **linear_kw)
+
+    def __call__(
+        self, x: Array, token_mask: Array | None = None, state: MambaState | None = None, slot: Array | int = 0
+    ) -> tuple[Array, MambaState]:
+        """x (b, T, H) at slots [slot, slot + T), from `state` (None: from scratch) -> (out, new state).
+        token_mask (b, T): the real tokens (None: all); the others never enter the state."""
+        masked = x if token_mask is None else x * token_mask[..., None].astype(x.dtype)
+        y, state = self.mix(self.in_proj(masked), token_mask, state, slot)
+        return self.out_proj(y), state
+
+    @ops.replaceable
+    def mix(
+        self, zxbcdt: Array, token_mask: Array | None, state: MambaState | None, slot: Array | int
+    ) -> tuple[Array, MambaState]:
+        """Between the projections: in_proj's output [z | xBC | dt] (b, T, d_inner + conv_dim + heads) -> the gated,
+        normed SSD output (b, T, d_inner) and the state after it. Arithmetic in float32 up to the SSD's inputs, which
+        are in the model's dtype, as transformers' conv1d returns them."""
+        cfg, (b, T, _) = self.cfg, zxbcdt.shape
+        h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
+        z, xBC, dt = jnp.split(zxbcdt, [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
+
+        bias = None if self.conv_bias is None else self.conv_bias[...]
+        xBC, ring = mamba_conv(xBC, None if state is None else state.conv, slot, self.conv_weight[...], bias)
+        xBC = jax.nn.silu(xBC)
+        if token_mask is not None:  # padding's conv outputs are zeroed: they never enter the state
+            xBC = xBC * token_mask[..., None].astype(xBC.dtype)
+        xs, B, C = jnp.split(xBC.astype(self.dtype), [h * p, h * p + g * n], -1)
+        xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
+
+        lo, hi = cfg.time_step_limit
+        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)), lo, hi)
+        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        D = self.D[...].astype(jnp.float32)
+        if state is not None and T == 1:
+            y, ssm = ssd_step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+            y = y[:, None]
+        else:
+            initial = None if state is None else state.ssm
+            y, ssm = ssd(xs, dt, A, B, C, D, chunk_size=cfg.mamba_chunk_size, initial_state=initial)
+
+        y = gated_rms_norm(y.reshape(b, T, h * p), z, self.norm.weight[...], g, cfg.rms_norm_eps, self.dtype)
+        return y, MambaState(ring, ssm)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -337,11 +302,11 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         H, hd = cfg.hidden_size, cfg.head_dim
-        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.q_proj = Linear(H, cfg.num_attention_heads * hd, **linear)
-        self.k_proj = Linear(H, cfg.num_key_value_heads * hd, **linear)
-        self.v_proj = Linear(H, cfg.num_key_value_heads * hd, **linear)
-        self.o_proj = Linear(cfg.num_attention_heads * hd, H, **linear)
+        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(H, cfg.num_attention_heads * hd, **linear_kw)
+        self.k_proj = Linear(H, cfg.num_key_value_heads * hd, **linear_kw)
+        self.v_proj = Linear(H, cfg.num_key_value_heads * hd, **linear_kw)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, H, **linear_kw)
 
     def __call__(self, x: Array, pos: Positions, state: KVState | None = None) -> tuple[Array, KVState | None]:
         cfg = self.cfg
@@ -374,26 +339,16 @@ def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     return jnp.einsum("bkrts,bksd->btkrd", probs, v)
 
 
+@ops.replaceable
 def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: int | None = None) -> Array:
     """`attend` over the filled cache slots [0, last query slot] only, `block` keys at a time (default:
-    DECODE_KV_BLOCK for one query per row, KV_BLOCK for a prompt segment). One query per row (decoding) goes through
-    `cpu_kernels.decode_attention`: on CPUs a kernel, elsewhere these blocks.
+    DECODE_KV_BLOCK for one query per row, KV_BLOCK for a prompt segment).
 
     The online softmax of flash attention (Dao et al. 2022, Alg. 1): a running max m, normalizer and output acc per
     query, rescaled by exp(m_old - m_new) as each block arrives. Time and memory grow with the filled slots, not with
     the preallocated cache. A last block that would run past the cache is shifted back and its already-seen slots
     masked, so any cache length works.
     """
-    if q.shape[1] == 1:
-
-        def one(q, k, v, pad, slot):
-            return _attend_blocks(q, KVState(k, v), Positions(slot[None], pad), scale, block)
-
-        return cpu_kernels.decode_attention(q, cache.k, cache.v, pos.pad, pos.query_slots[0], scale, one)
-    return _attend_blocks(q, cache, pos, scale, block)
-
-
-def _attend_blocks(q: Array, cache: KVState, pos: Positions, scale: float, block: int | None) -> Array:
     S = cache.k.shape[2]
     b, T, kv, rep, hd = q.shape
     block = min(block or (DECODE_KV_BLOCK if T == 1 else KV_BLOCK), S)
@@ -424,17 +379,35 @@ def _attend_blocks(q: Array, cache: KVState, pos: Positions, scale: float, block
 # ---------------------------------------------------------------------------------------------- feed-forward
 
 
+def swiglu(h: Array) -> Array:
+    """silu(gate) * up of a fused [gate | up] projection."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
 class SharedMLP(nnx.Module):
     """SwiGLU with fused [gate | up] input projection."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        linear = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_linear = Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, **linear)
-        self.output_linear = Linear(cfg.shared_intermediate_size, cfg.hidden_size, **linear)
+        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.input_linear = Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, **linear_kw)
+        self.output_linear = Linear(cfg.shared_intermediate_size, cfg.hidden_size, **linear_kw)
 
     def __call__(self, x: Array) -> Array:
-        gate, up = jnp.split(self.input_linear(x), 2, axis=-1)
-        return self.output_linear(jax.nn.silu(gate) * up)
+        return self.output_linear(swiglu(self.input_linear(x)))
+
+
+@ops.replaceable
+def expert_linear(x: Array, w: Array, experts: Array) -> Array:
+    """Each row through its expert's matrix: y[r] = x[r] @ w[experts[r]], x (R, K), w (E, K, N), experts (R,) -> (R, N)
+    in x's dtype. Few rows (decoding) gather the chosen experts' matrices; many are grouped by expert for one
+    `lax.ragged_dot` (a grouped product), reading each expert's matrix once."""
+    if x.shape[0] <= GATHER_ROWS:
+        return jnp.einsum("rk,rkn->rn", x, w[experts].astype(x.dtype))  # only the chosen experts are cast
+    order = jnp.argsort(experts, stable=True)
+    group_sizes = jnp.bincount(experts, length=w.shape[0]).astype(jnp.int32)
+    y = lax.ragged_dot(x[order], w.astype(x.dtype), group_sizes)
+    return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
 class MoE(nnx.Module):
@@ -454,37 +427,11 @@ class MoE(nnx.Module):
         logits = self.router(x).astype(jnp.float32)
         top_logits, experts = lax.top_k(logits, self.cfg.num_experts_per_tok)  # (N, k)
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
-        # Many rows (prefill) off the CPU: ragged_dot on the rows grouped by expert. Otherwise one row per (token,
-        # chosen expert) through `cpu_kernels.expert_linear`: on CPUs a kernel reading each chosen expert once.
-        ragged = jax.default_backend() != "cpu" and x.shape[0] * experts.shape[1] > cpu_kernels.GATHER_ROWS
-        return (self._ragged if ragged else self._rows)(x, experts, gates).reshape(shape)
-
-    def _swiglu(self, h: Array) -> Array:
-        gate, up = jnp.split(h, 2, axis=-1)
-        return jax.nn.silu(gate) * up
-
-    def _rows(self, x: Array, experts: Array, gates: Array) -> Array:
-        """One row per (token, chosen expert), each through its expert's weights by `cpu_kernels.expert_linear`."""
         N, k = experts.shape
-        rows, flat = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # (N k, H), (N k,)
-        w_in, w_out = self.input_linear[...], self.output_linear[...]  # cast after the gather, if at all
-        h = self._swiglu(cpu_kernels.expert_linear(rows, w_in, flat))  # (N k, I)
-        y = cpu_kernels.expert_linear(h, w_out, flat).reshape(N, k, -1)  # (N, k, H)
-        return jnp.einsum("nkd,nk->nd", y, gates)
-
-    def _ragged(self, x: Array, experts: Array, gates: Array) -> Array:
-        """Sort the N*k (token, expert) rows by expert; `lax.ragged_dot` through each expert's group; scatter back.
-        (XLA:CPU lowers ragged_dot to a dense product over every expert: CPUs take `_rows`.)"""
-        N, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        tokens = order // k
-        group_sizes = jnp.bincount(flat, length=self.cfg.num_local_experts).astype(jnp.int32)
-        rows = x[tokens].astype(self.dtype)
-        w_in, w_out = (cpu_kernels.cast_at_use(w[...], rows) for w in (self.input_linear, self.output_linear))
-        h = self._swiglu(lax.ragged_dot(rows, w_in, group_sizes))
-        y = lax.ragged_dot(h, w_out, group_sizes) * gates.reshape(-1)[order][:, None]
-        return jnp.zeros_like(x).at[tokens].add(y.astype(x.dtype))
+        rows, chosen = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # one per (token, expert)
+        h = swiglu(expert_linear(rows, self.input_linear[...], chosen))
+        y = expert_linear(h, self.output_linear[...], chosen).reshape(N, k, -1)
+        return jnp.einsum("nkd,nk->nd", y, gates).reshape(shape)
 
 
 # ---------------------------------------------------------------------------------------------- decoder
@@ -516,10 +463,21 @@ class DecoderLayer(nnx.Module):
 
 
 class Granite(nnx.Module):
-    """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`."""
+    """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`.
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype = cfg, dtype
+    `runtime` (`ops.Runtime`, default `Runtime()`) chooses the SSD implementation and the platform kernels; it is not
+    a weight, and `with_runtime` swaps it without touching them."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        runtime: Runtime | None = None,
+        rngs: nnx.Rngs,
+    ):
+        self.cfg, self.dtype, self.runtime = cfg, dtype, runtime or Runtime()
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
@@ -530,7 +488,6 @@ class Granite(nnx.Module):
             if cfg.tie_word_embeddings
             else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         )
-        self.packed_embedding: Packed | None = nnx.data(None)  # the tied output embedding, packed like `Linear.pack`
 
     def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:
         """Logits (b, T, vocab) of left-padded tokens (b, T); `pad[b]` counts row b's padding tokens.
@@ -565,14 +522,15 @@ class Granite(nnx.Module):
         else:
             pad = jnp.zeros((b,), jnp.int32) if pad is None else _checked_pad(pad, b, T)
             pos = Positions(jnp.arange(T, dtype=jnp.int32), pad)
-        x = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
-        hidden, states = [], []
-        for i, layer in enumerate(self.layers):
-            x, state = layer(x, pos, None if cache is None else cache.layers[i])
-            states.append(state)
-            if return_hidden:
-                hidden.append(x)
-        logits = self.head(x[:, -1:] if last_only else x)
+        with ops.using(self.runtime):
+            x = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
+            hidden, states = [], []
+            for i, layer in enumerate(self.layers):
+                x, state = layer(x, pos, None if cache is None else cache.layers[i])
+                states.append(state)
+                if return_hidden:
+                    hidden.append(x)
+            logits = self.head(x[:, -1:] if last_only else x)
         new_cache = None
         if cache is not None:
             new_cache = Cache(tuple(states), cache.pad, cache.index + T)
@@ -582,20 +540,15 @@ class Granite(nnx.Module):
 
     def embed(self, tokens: Array) -> Array:
         """The embedding rows of tokens (b, T), in the activations' dtype: gathered, then cast (`nnx.Embed` casts the
-        whole table first, a copy of it per call when the weights are kept in another dtype; see also
-        `cpu_kernels.take_rows`). Ids out of [0, vocab_size) give rows of NaN."""
-        return cpu_kernels.take_rows(self.embed_tokens.embedding[...], tokens).astype(self.dtype)
+        whole table first, a copy of it per call when the weights are kept in another dtype). Ids out of
+        [0, vocab_size) give rows of NaN."""
+        return embedding_rows(self.embed_tokens.embedding[...], tokens).astype(self.dtype)
 
     def head(self, x: Array) -> Array:
         """Logits (..., vocab) of last-layer outputs (..., H): final norm, output projection, `logits_scaling`."""
         x = self.norm(x)
-        if self.lm_head is None:
-            # Tied: contract the (V, H) embedding over its contiguous axis, as `Linear` does. `x @ embedding.T`
-            # (Embed.attend) made XLA:CPU copy the whole transposed embedding on every call, which costs more than the
-            # product in decoding.
-            embedding = self.embed_tokens.embedding[...]
-            packed = None if self.packed_embedding is None else self.packed_embedding[...]
-            logits = cpu_kernels.linear(x.astype(self.dtype), embedding, packed)
+        if self.lm_head is None:  # tied: the (V, H) embedding is the head's (out, in) weight, contracted in place
+            logits = linear(x.astype(self.dtype), self.embed_tokens.embedding[...])
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling
@@ -652,9 +605,11 @@ def _check_room(cache: Cache, T: int) -> None:
         raise ValueError(f"{T} tokens from slot {int(cache.index)} do not fit a KV cache of {cache.max_len} slots")
 
 
-def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Granite:
+def abstract_model(
+    cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, runtime: Runtime | None = None
+) -> Granite:
     """The model with shape-only parameters: nothing is allocated (for parameter counts and loading)."""
-    return nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime, rngs=nnx.Rngs(0)))
 
 
 def count_params(model: Granite) -> int:
@@ -667,56 +622,16 @@ def weight_dtype(model: Granite) -> str | list[str]:
     return names[0] if len(names) == 1 else names
 
 
-def pack_for_decoding(model: Granite) -> int:
-    """Give every `Linear` of a `packable` model, and a tied output embedding, a copy of its weight in the layout that
-    decode steps stream on CPUs (`cpu_kernels.pack`); returns the bytes added (0: other dtypes, nothing packed).
-
-    The copies double the memory those weights take and are not updated with them: pack again after changing them.
-    """
-    if not packable(model):
-        return 0
-    for linear in _linears(model):
-        linear.pack()
-    if model.lm_head is None:
-        model.packed_embedding = Packed(cpu_kernels.pack(model.embed_tokens.embedding[...]))
-    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, Packed)))
-
-
-def packing_bytes(model: Granite) -> int:
-    """About what `pack_for_decoding` would add (before padding to whole panels)."""
-    return sum(w.dtype.itemsize * math.prod(w.shape) for w in _packed_weights(model))
-
-
-def packable(model: Granite) -> bool:
-    """Whether the panel kernel takes this model's products: activations and the weights it would pack float32 or
-    bfloat16."""
-    dtypes = {jnp.dtype(model.dtype), *(w.dtype for w in _packed_weights(model))}
-    return dtypes <= set(cpu_kernels.KERNEL_DTYPES)
-
-
-def _packed_weights(model: Granite) -> list[nnx.Param]:
-    """The weights `pack_for_decoding` copies: every `Linear`'s, and a tied output embedding."""
-    weights = [linear.weight for linear in _linears(model)]
-    return weights + ([model.embed_tokens.embedding] if model.lm_head is None else [])
-
-
-def _linears(model: Granite) -> list[Linear]:
-    return [module for _, module in nnx.iter_graph(model) if isinstance(module, Linear)]
-
-
-def with_ssd_impl(model: Granite, impl: str) -> Granite:
-    """The same weights (shared, not copied) running another SSD implementation ("xla", "naive" or "pallas")."""
-    return _sharing_weights(model, model.cfg.replace(ssd_impl=impl), model.dtype)
+def with_runtime(model: Granite, runtime: Runtime) -> Granite:
+    """The same weights (shared, not copied) run with another `Runtime`."""
+    graphdef, state = nnx.split(model)
+    other = nnx.merge(graphdef, state)
+    other.runtime = runtime
+    return other
 
 
 def with_dtype(model: Granite, dtype: DTypeLike) -> Granite:
     """The same weights (shared, not copied, in the dtype they are stored in) computing in `dtype`."""
-    return _sharing_weights(model, model.cfg, dtype)
-
-
-def _sharing_weights(model: Granite, cfg: ModelConfig, dtype: DTypeLike) -> Granite:
-    """A model of `cfg` computing in `dtype` on `model`'s parameters. Packed decode copies (`pack_for_decoding`) are
-    not carried over: pack the new model again if it decodes on CPUs."""
-    other = abstract_model(cfg, dtype=dtype)
+    other = abstract_model(model.cfg, dtype=dtype, runtime=model.runtime)
     nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

@@ -21,15 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from granite_jax import cpu_kernels
+from granite_jax import ops
+from granite_jax.errors import GenerationError
 
 Array = jax.Array
 _BLOCK = 256  # vocabulary block size of the two-level inverse-CDF draw
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1
-
-
-class GenerationError(ValueError):
-    """A generation request that cannot be served as given (invalid option, empty or too long prompt)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,15 +138,10 @@ def sample_tokens(logits: Array, params: SamplerParams, step: Array) -> Array:
     return lax.cond(params.temperature > 0, lambda: _sample(logits, params, step), lambda: greedy_tokens(logits))
 
 
+@ops.replaceable
 def greedy_tokens(logits: Array) -> Array:
-    """jnp.argmax over the last axis (the first maximum; the first NaN if any) as int32: on CPUs with the kernels
-    `cpu_kernels.greedy`, one pass per row; otherwise `greedy_reductions`."""
-    return cpu_kernels.greedy(logits, greedy_reductions)
-
-
-def greedy_reductions(logits: Array) -> Array:
-    """`greedy_tokens` in two plain reductions: XLA:CPU runs argmax's (value, index) reduction at ~0.2 G values/s,
-    0.5 ms per row of a 100k vocabulary (3-3.5x slower)."""
+    """jnp.argmax over the last axis (the first maximum; the first NaN if any) as int32, in two plain reductions:
+    XLA:CPU runs argmax's (value, index) reduction 3-3.5x slower."""
     keys = jnp.where(jnp.isnan(logits), _INT_MAX, ordered_keys(logits))  # integers: XLA's float max may skip a NaN
     index = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
     return jnp.min(jnp.where(keys == jnp.max(keys, axis=-1, keepdims=True), index, logits.shape[-1]), axis=-1)

@@ -1,4 +1,4 @@
-"""Mamba-2 state-space duality (SSD): the recurrence, its chunked forms, and the dispatch between them.
+"""Mamba-2 state-space duality (SSD): the recurrence and its chunked forms.
 
 Every implementation computes, per head, with the discretised decay a_t = exp(dt_t * A):
 
@@ -11,9 +11,9 @@ group i // (h // g); state (b, h, p, n) in float32.
 - `ssd_step` is the one-token recurrence (decode) and `ssd_reference` scans it: the definition, used as the float64
   oracle in tests and by the kernels' tests.
 - `ssd_chunked` is the chunked algorithm (Mamba-2 paper §6, `ssd_minimal.py`) with einsum contractions and a scan
-  across chunk boundaries: `"xla"`.
+  across chunk boundaries: `ssd`, the model's, unless its `ops.Runtime` chooses another ("naive", "pallas").
 - `ssd_chunked_naive` is the same algorithm as transformers' historical `torch_forward` wrote it, every contraction a
-  broadcast product followed by a sum (sites S1-S6, docs/rewriter.md): `"naive"`, the rewriter's input.
+  broadcast product followed by a sum (sites S1-S6, docs/rewriter.md): `Runtime(ssd="naive")`, the rewriter's input.
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from granite_jax import cpu_kernels
+from granite_jax import ops
 
 Array = jax.Array
 _HIGHEST = lax.Precision.HIGHEST
 
 
+@ops.replaceable
 def ssd(
     x: Array,
     dt: Array,
@@ -39,21 +40,13 @@ def ssd(
     *,
     chunk_size: int,
     initial_state: Array | None = None,
-    impl: str = "xla",
 ) -> tuple[Array, Array]:
-    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32.
+    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32: `ssd_chunked`
+    unless the runtime chooses another implementation (`ops.Runtime.ssd`).
 
     Shapes and `chunk_size` (a positive int) are checked at trace time, by each implementation: ValueError naming
     the argument."""
-    if impl == "xla":
-        return ssd_chunked(x, dt, A, B, C, D, chunk_size=xla_chunk_size(chunk_size), initial_state=initial_state)
-    if impl == "naive":
-        return ssd_chunked_naive(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
-    if impl == "pallas":
-        from pallas_kernels import ssd_prefill
-
-        return ssd_prefill(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
-    raise ValueError(f"ssd impl: unknown implementation {impl!r}; expected 'xla', 'naive' or 'pallas'")
+    return ssd_chunked(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
 
 
 def check_chunk_size(chunk_size) -> None:
@@ -93,33 +86,23 @@ def _check_rank(name: str, shape: tuple[int, ...], names: tuple[str, ...]) -> No
         raise ValueError(f"{name}: expected shape ({', '.join(names)}), got {shape}")
 
 
-CPU_CHUNK = 64
-
-
-def xla_chunk_size(chunk_size: int) -> int:
-    """The chunk the "xla" path runs with: the model's, except at most `CPU_CHUNK` on CPU.
-
-    The chunk only sets where the quadratic intra-chunk form hands over to the state recurrence; the result is the
-    same up to rounding. The intra-chunk work (decay mask, C.B scores) grows as L * chunk, and on XLA:CPU 64-token
-    chunks run a 512-token h-350m Mamba layer's SSD ~2.8x faster than 256-token ones (38 vs 108 ms).
-    """
-    check_chunk_size(chunk_size)
-    return min(chunk_size, CPU_CHUNK) if jax.default_backend() == "cpu" else chunk_size
-
-
 # ---------------------------------------------------------------------------------------------- the recurrence
 
 
+@ops.replaceable
 def ssd_step(state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array) -> tuple[Array, Array]:
     """One token: state (b, h, p, n), x (b, h, p), dt (b, h), B and C (b, g, n). Returns (y (b, h, p), new state).
 
-    In float32 (float64 if the state or x is): on CPUs the state update runs as one pass over the state
-    (`cpu_kernels.ssm_update`). Shapes are checked at trace time (ValueError naming the argument).
+    In float32 (float64 if the state or x is). Shapes are checked at trace time (ValueError naming the argument).
     """
     check_shapes(x, dt, A, B, C, D, state, step=True)
     dtype = jnp.result_type(state.dtype, x.dtype, jnp.float32)
     state, x, dt, A, B, C, D = (t.astype(dtype) for t in (state, x, dt, A, B, C, D))
-    state, y = cpu_kernels.ssm_update(state, jnp.exp(dt * A), dt[..., None] * x, B, C)
+    h, g = state.shape[1], B.shape[1]
+    Bh, Ch = (jnp.repeat(t, h // g, axis=1) for t in (B, C))
+    dtx = dt[..., None] * x
+    state = state * jnp.exp(dt * A)[:, :, None, None] + jnp.einsum("bhp,bhn->bhpn", dtx, Bh, precision=_HIGHEST)
+    y = jnp.einsum("bhpn,bhn->bhp", state, Ch, precision=_HIGHEST)
     return y + D[:, None] * x, state
 
 
@@ -180,8 +163,8 @@ def segsum(a: Array) -> Array:
 def _segment_block(t: int) -> int | None:
     """Block length for `segsum` over t positions; None: sum directly.
 
-    Directly below 128 positions, where the product is cheap: at 64 (the CPU chunk) the blocked form measured ~10%
-    slower per SSD call, at 256 ~22% faster (2026-11-30, interleaved).
+    Directly below 128 positions, where the product is cheap: at 64 positions the blocked form is ~10% slower per SSD
+    call, at 256 ~22% faster.
     """
     return 16 if t >= 128 and t % 16 == 0 else None
 
@@ -189,8 +172,8 @@ def _segment_block(t: int) -> int | None:
 def _segsum_direct(a: Array) -> Array:
     """`segsum` as a product with a lower-triangular matrix of ones: O(t^3), every entry a direct sum.
 
-    As a product because XLA:CPU lowers a cumsum over the chunk axis to a reduce-window: 512-token prefill of the
-    h-350m shape went from 147.5 to 164.4 tok/s (same process, interleaved, 2026-11-29).
+    As a product because XLA:CPU lowers a cumsum over the chunk axis to a reduce-window, ~10% slower in a 512-token
+    prefill of the h-350m shape.
     """
     t = a.shape[-1]
     strictly_lower = jnp.tril(jnp.ones((t, t), bool), -1)
@@ -309,3 +292,10 @@ def ssd_chunked_naive(
     C_times_states = Cc[..., None, :] * states[:, :, None]  # S6: (b, c, l, h, p, n)
     y_off = C_times_states.sum(-1) * jnp.transpose(jnp.exp(a_cs), (0, 2, 3, 1))[..., None]
     return _finish(y_diag + y_off, x, D, length), final_state
+
+
+def _naive(reference, x, dt, A, B, C, D, *, chunk_size: int, initial_state: Array | None = None):
+    return ssd_chunked_naive(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+
+
+ops.register("naive", ssd, _naive)  # ops.Runtime(ssd="naive"): the rewriter's input inside the model

@@ -1,35 +1,33 @@
-"""Hugging Face safetensors checkpoint -> Flax NNX state.
+"""Hugging Face checkpoints: safetensors in, safetensors out.
 
 A table maps every checkpoint name to a path in the NNX state and a transform (linear weights keep torch's
 [out, in] layout, see `model.Linear`; expert weights and the conv are rearranged); each tensor's shape is checked
 against the abstract model before it is placed, and so is its dtype (a floating-point one: integer or 8-bit tensors of a
 quantized checkpoint are refused, not cast). Tensors are read one at a time and cast to the requested dtype, so peak
 host memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are
-refused, never unpickled.
+refused, never unpickled. `export_safetensors` writes a model back through the same table, inverted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from granite_jax import cpu_kernels
 from granite_jax.config import ModelConfig, read_json_object
-from granite_jax.model import Granite, abstract_model
+from granite_jax.errors import CheckpointError
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or file that cannot be loaded as it is; the message names the file and tensor."""
+WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the requested dtype; anything else is an error
+SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,58 +41,6 @@ class Transform:
 KEEP = Transform(lambda w: w, lambda s: s)
 EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
 CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the requested dtype; anything else is an error
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # the dtype names commands take
-
-
-def checked_dtype(name: str, value: Any) -> Any:
-    """`value` (a name in DTYPES, or the jnp/np dtype of one) as DTYPES' dtype; ValueError naming `name` otherwise."""
-    try:
-        found = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
-    except (TypeError, ValueError):
-        found = None
-    if found not in DTYPES:
-        raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
-    return DTYPES[found]
-
-
-def model_dtypes(dtype: str, weight_dtype: str | None = None) -> dict[str, Any]:
-    """`load_model`'s dtype and param_dtype: activations in `dtype`, weights in `weight_dtype` (None: dtype)."""
-    weights = dtype if weight_dtype is None else weight_dtype
-    return dict(dtype=checked_dtype("dtype", dtype), param_dtype=checked_dtype("weight_dtype", weights))
-
-
-AUTO = "auto"  # a weight_dtype that follows the checkpoint: see `auto_weight_dtype`
-_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
-def stored_dtype(model_dir: str | os.PathLike) -> str | None:
-    """The one dtype a checkpoint stores its weights in, read from the safetensors headers (or the orbax marker)
-    without loading a tensor; None if they mix dtypes."""
-    from granite_jax import checkpoint  # imports this module
-
-    if checkpoint.is_orbax_checkpoint(model_dir):
-        found = checkpoint.read_marker(model_dir).get("param_dtype")
-        return found if isinstance(found, str) else None
-    dtypes = set()
-    for path, names in checkpoint_files(model_dir).items():
-        try:
-            with safe_open(path, framework="numpy") as f:
-                dtypes |= {f.get_slice(name).get_dtype() for name in (names if names is not None else f.keys())}
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
-            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
-    return _SAFETENSORS_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
-
-
-def auto_weight_dtype(model_dir: str | os.PathLike, dtype: str) -> str:
-    """weight_dtype "auto": bfloat16 when computing in float32 on a checkpoint stored in bfloat16 (the released ones
-    are), whose values float32 holds exactly, where the CPU kernels run: the float32 model's results at half its weight
-    memory and batch-1 decode traffic. Otherwise `dtype`: without the kernels (a GPU, another CPU) XLA widens the
-    weights before their products and may hold a float32 copy of them all at once."""
-    narrow = dtype == "float32" and cpu_kernels.available()
-    return "bfloat16" if narrow and stored_dtype(model_dir) == "bfloat16" else dtype
-
-
 # (checkpoint name regex, NNX state path template, transform)
 _L = r"model\.layers\.(\d+)\."
 NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
@@ -127,6 +73,26 @@ def map_name(name: str) -> tuple[str, Transform] | None:
 
 
 # ---------------------------------------------------------------------------------------------- files
+
+
+def load_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of a checkpoint directory's config.json (Hugging Face or orbax)."""
+    d = os.fspath(model_dir)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: model directory not found")
+    return ModelConfig.from_json(os.path.join(d, "config.json"))
+
+
+def headers_dtype(files: dict[str, tuple[str, ...] | None]) -> str | None:
+    """The one dtype the safetensors `files` store their tensors in, read from their headers; None if they mix."""
+    dtypes = set()
+    for path, names in files.items():
+        try:
+            with safe_open(path, framework="numpy") as f:
+                dtypes |= {f.get_slice(name).get_dtype() for name in (names if names is not None else f.keys())}
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
+    return SAFETENSORS_DTYPES.get(dtypes.pop()) if len(dtypes) == 1 else None
 
 
 def checkpoint_files(model_dir: str | os.PathLike) -> dict[str, tuple[str, ...] | None]:
@@ -191,45 +157,14 @@ def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str
                 yield path, name, tensor
 
 
-# ---------------------------------------------------------------------------------------------- loading
+# ---------------------------------------------------------------------------------------------- import
 
 
-def load_config(model_dir: str | os.PathLike) -> ModelConfig:
-    d = os.fspath(model_dir)
-    if not os.path.isdir(d):
-        raise CheckpointError(f"{d}: model directory not found")
-    return ModelConfig.from_json(os.path.join(d, "config.json"))
-
-
-def load_model(
-    model_dir: str | os.PathLike,
-    *,
-    dtype=jnp.float32,
-    param_dtype=None,
-    cfg: ModelConfig | None = None,
-    ssd_impl: str | None = None,
-    progress: bool = False,
-) -> Granite:
-    """Load a Hugging Face GraniteMoeHybrid checkpoint directory, or a granite-jax orbax one, into a `Granite` model."""
-    from granite_jax import checkpoint  # imports this module
-
-    dtype = checked_dtype("dtype", dtype)
-    param_dtype = dtype if param_dtype is None else checked_dtype("param_dtype", param_dtype)
-    if checkpoint.is_orbax_checkpoint(model_dir):
-        return checkpoint.restore_model(model_dir, dtype=dtype, param_dtype=param_dtype, cfg=cfg, ssd_impl=ssd_impl)
-    cfg = cfg or load_config(model_dir)
-    if ssd_impl is not None:
-        cfg = cfg.replace(ssd_impl=ssd_impl)
-    files = checkpoint_files(model_dir)
-    abstract = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype)
-    graphdef, state = nnx.split(abstract)
-    expected = _flatten(nnx.to_pure_dict(state))
-    values = _read_checkpoint(files, expected, param_dtype, progress)
-    nnx.replace_by_pure_dict(state, _unflatten(values))
-    return nnx.merge(graphdef, state)
-
-
-def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: bool) -> dict[str, jax.Array]:
+def read_weights(
+    files: dict[str, tuple[str, ...] | None], expected: dict[str, Any], param_dtype, progress: bool
+) -> dict[str, jax.Array]:
+    """The model's parameters {NNX path: array in `param_dtype`} from the safetensors `files`, every tensor mapped by
+    `NAME_MAP` and checked against `expected` (the abstract model's {path: shape and dtype}) before it is placed."""
     values: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
@@ -282,18 +217,20 @@ def _read_checkpoint(files, expected: dict[str, Any], param_dtype, progress: boo
     return values
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested dict of parameters as {"a.b.0.c": leaf}."""
     out = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out
 
 
-def _unflatten(flat: dict[str, Any]) -> dict:
+def unflatten(flat: dict[str, Any]) -> dict:
+    """`flatten`'s inverse (digit keys become ints, as NNX's lists index them)."""
     tree: dict = {}
     for key, v in flat.items():
         *parents, leaf = key.split(".")
@@ -302,3 +239,60 @@ def _unflatten(flat: dict[str, Any]) -> dict:
             node = node.setdefault(int(p) if p.isdigit() else p, {})
         node[int(leaf) if leaf.isdigit() else leaf] = v
     return tree
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+
+_UNDO = {id(KEEP): lambda w: w, id(EXPERTS): lambda w: w.transpose(0, 2, 1)}
+_UNDO[id(CONV)] = lambda w: w.T[:, None, :]  # [K, C] -> depthwise Conv1d [C, 1, K]
+
+
+def _inverse_entry(pattern: str, target: str) -> tuple[re.Pattern, str]:
+    """(regex over NNX paths, HF-name template) from one `NAME_MAP` entry (non-nested groups, escaped dots)."""
+    groups = re.findall(r"\([^()]*\)", pattern)
+    name_template = pattern
+    for i, g in enumerate(groups, 1):
+        name_template = name_template.replace(g, f"\\{i}", 1)
+    name_template = name_template.replace("\\.", ".")
+    path_regex = re.escape(target)
+    for i, g in enumerate(groups, 1):
+        path_regex = path_regex.replace(re.escape(f"\\{i}"), f"(?P<g{i}>{g[1:-1]})", 1)
+    return re.compile(path_regex), name_template
+
+
+_INVERSE = [(*_inverse_entry(pattern, target), transform) for pattern, target, transform in NAME_MAP]
+
+
+def hf_name(path: str) -> tuple[str, Transform]:
+    """The Hugging Face checkpoint name of an NNX state path, and the import transform that maps it (`map_name`)."""
+    for path_regex, name_template, transform in _INVERSE:
+        if m := path_regex.fullmatch(path):
+            name = re.sub(r"\\(\d)", lambda g: m.group(f"g{g.group(1)}"), name_template)
+            if map_name(name) != (path, transform):  # the table is not invertible at this entry
+                raise CheckpointError(f"NNX parameter {path!r}: {name!r} does not import back to it")
+            return name, transform
+    raise CheckpointError(f"NNX parameter {path!r} has no Hugging Face checkpoint name")
+
+
+def hf_tensors(model: nnx.Module) -> dict[str, Any]:
+    """The model's parameters as float32 numpy arrays under their Hugging Face checkpoint names and layouts."""
+    out = {}
+    for path, value in flatten(nnx.to_pure_dict(nnx.state(model))).items():
+        name, transform = hf_name(path)
+        out[name] = np.array(_UNDO[id(transform)](np.asarray(value, np.float32)), order="C")  # a writable copy
+    return out
+
+
+def export_safetensors(model: nnx.Module, out_dir: str | os.PathLike, *, dtype: str = "float32") -> str:
+    """Write the model as a Hugging Face checkpoint (model.safetensors + config.json) that transformers loads."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    tensors = {k: torch.from_numpy(v).to(getattr(torch, dtype)) for k, v in hf_tensors(model).items()}
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(model.cfg.to_hf_dict() | {"dtype": dtype}, f, indent=2)
+    return out

@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from granite_jax.checkpoint.hf import load_config
 from granite_jax.config import ModelConfig, read_json_object
+from granite_jax.errors import CheckpointError
 from granite_jax.model import Granite, abstract_model, count_params, weight_dtype
-from granite_jax.params import CheckpointError, load_config
+from granite_jax.ops import Runtime
 
 MARKER = "granite_jax_checkpoint.json"
 STATE_DIR = "state"
@@ -126,7 +128,7 @@ def check_writable(out_dir: str | os.PathLike) -> None:
 
 
 def _write_state(model: Granite, path: str) -> None:
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))  # not `Packed` copies a Generator may have added
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     with _quiet_orbax(), _checkpointer() as ck:
         ck.save(path, state)
         ck.wait_until_finished()
@@ -183,17 +185,15 @@ def restore_model(
     *,
     dtype=jnp.float32,
     param_dtype=None,
+    runtime: Runtime | None = None,
     cfg: ModelConfig | None = None,
-    ssd_impl: str | None = None,
 ) -> Granite:
     """Restore a `Granite` from an orbax checkpoint directory; parameters are read straight into `param_dtype`."""
     d = os.fspath(model_dir)
     read_marker(d)
     cfg = cfg or load_config(d)
-    if ssd_impl is not None:
-        cfg = cfg.replace(ssd_impl=ssd_impl)
     param_dtype = param_dtype or dtype
-    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))
     try:

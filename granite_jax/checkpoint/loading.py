@@ -1,0 +1,79 @@
+"""One `load_model` for both kinds of checkpoint directory, and what else a directory holds (dtype, tokenizer)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from flax import nnx
+
+from granite_jax.checkpoint import hf, orbax
+from granite_jax.checkpoint.dtypes import AUTO, DTYPES, dtype_name, weight_dtype_name
+from granite_jax.config import ModelConfig
+from granite_jax.errors import CheckpointError
+from granite_jax.model import Granite, abstract_model
+from granite_jax.ops import Runtime
+
+
+def load_model(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: Any = "float32",
+    weight_dtype: Any = None,
+    runtime: Runtime | None = None,
+    cfg: ModelConfig | None = None,
+    progress: bool = False,
+) -> Granite:
+    """Load a Hugging Face GraniteMoeHybrid checkpoint directory (safetensors), or a granite-jax orbax one.
+
+    dtype: the activations' dtype, a name in `DTYPES` or its jnp dtype. weight_dtype: the weights' (None: dtype;
+    "auto": bfloat16 for float32 arithmetic on a bfloat16 checkpoint where a kernel backend widens it in registers,
+    see `dtypes`). runtime: how the model runs (`ops.Runtime`). cfg: instead of the directory's config.json."""
+    runtime = runtime or Runtime()
+    dtype = dtype_name("dtype", dtype)
+    auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
+    weights = weight_dtype_name(dtype, weight_dtype, stored_dtype(model_dir) if auto else None, runtime)
+    kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weights])
+    if orbax.is_orbax_checkpoint(model_dir):
+        return orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg)
+    cfg = cfg or hf.load_config(model_dir)
+    files = hf.checkpoint_files(model_dir)
+    graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
+    values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), kinds["param_dtype"], progress)
+    nnx.replace_by_pure_dict(state, hf.unflatten(values))
+    return nnx.merge(graphdef, state)
+
+
+def stored_dtype(model_dir: str | os.PathLike) -> str | None:
+    """The one dtype a checkpoint stores its weights in, read from the safetensors headers (or the orbax marker)
+    without loading a tensor; None if they mix dtypes."""
+    if orbax.is_orbax_checkpoint(model_dir):
+        found = orbax.read_marker(model_dir).get("param_dtype")
+        return found if isinstance(found, str) else None
+    return hf.headers_dtype(hf.checkpoint_files(model_dir))
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """transformers' AutoTokenizer from the checkpoint directory (local files only), or None if it has none."""
+    d = os.fspath(model_dir)
+    if not any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    except Exception as e:  # transformers raises many types for broken tokenizer or config files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{d}: cannot load the tokenizer ({type(e).__name__}: {first})") from None
+
+
+NO_MODEL_MESSAGE = (
+    "no model given and granite-jax does not ship a checkpoint yet: pass --model DIR "
+    "(a Hugging Face GraniteMoeHybrid checkpoint directory with config.json, safetensors and tokenizer files)"
+)
+
+
+def default_model_dir() -> str | None:
+    """The checkpoint shipped with the package, if any (none ships yet)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoints", "default")
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None

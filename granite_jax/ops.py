@@ -1,0 +1,199 @@
+"""The one seam between the model and platform kernels.
+
+The model is plain JAX. A few of its functions are marked `@replaceable`: the product with a weight matrix, the
+experts' products, the embedding lookup, the Mamba mixer between its projections, attention over a KV cache, greedy
+sampling, and the SSD and its one-token step. Their bodies are the definition and run everywhere. A backend
+registers faster implementations of some of them (`register`); which run is decided when a function is traced, by
+the `Runtime` in effect (`using`; `Granite.forward` enters its model's). An implementation is called with the plain-JAX
+function first, and falls back to it for the shapes, dtypes and platforms it does not take.
+
+Backends are modules imported on first use (`BACKENDS`): one that is absent or cannot run here costs speed, nothing
+else. A backend may keep arrays derived from the weights (the CPU kernels' packed panels): `prepare` asks for them,
+the caller passes them into its jitted step beside the weights, and inside `bound` an implementation finds the one
+made from the weight it is given (`companion`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+SSD_IMPLS = ("xla", "naive", "pallas")
+BACKENDS = {"naive": "granite_jax.ssd", "pallas": "granite_jax.pallas", "cpu": "granite_jax.cpu"}  # name -> module
+PLATFORM_KERNELS = {"cpu": "cpu"}  # JAX's default backend -> the backend `Runtime.kernels` turns on there
+
+Prepared = dict[str, dict[str, jax.Array]]  # backend -> {parameter path: array derived from that parameter}
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """How a model runs, apart from what it is (`ModelConfig`): changing it changes no weight.
+
+    ssd: the SSD implementation: "xla" (chunked, einsum contractions), "naive" (broadcast products and sums, the
+    rewriter's input) or "pallas" (Triton kernels, NVIDIA GPUs only).
+    kernels: use the platform's kernel backend where it runs (on CPUs: `granite_jax.cpu`). The kernels are for
+    inference: differentiate with kernels=False.
+    pack_weights: let the kernel backend keep copies of the weights in its own layout (on CPUs: for decode steps of
+    2-16 rows, as much memory again as those weights). None: when they fit in half the free memory.
+    """
+
+    ssd: str = "xla"
+    kernels: bool = True
+    pack_weights: bool | None = None
+
+    def __post_init__(self):
+        if self.ssd not in SSD_IMPLS:
+            raise ValueError(f"ssd: {self.ssd!r} is not one of {', '.join(SSD_IMPLS)}")
+        if not isinstance(self.kernels, bool):
+            raise ValueError(f"kernels: expected True or False, got {self.kernels!r}")
+        if self.pack_weights not in (None, True, False):
+            raise ValueError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
+
+    def replace(self, **changes: Any) -> Runtime:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends consulted, first to last."""
+        ssd = () if self.ssd == "xla" else (self.ssd,)
+        platform = PLATFORM_KERNELS.get(jax.default_backend()) if self.kernels else None
+        return ssd + ((platform,) if platform else ())
+
+
+@dataclasses.dataclass
+class Backend:
+    """Implementations by op name, each with the ops it also does the work of. `available()`: why it cannot run here
+    (None: it can). `prepare(model, rows)`: its arrays derived from the weights for steps of `rows` rows. `describe()`:
+    what it runs, for records."""
+
+    name: str
+    impls: dict[str, tuple[Callable, frozenset[str]]] = dataclasses.field(default_factory=dict)
+    available: Callable[[], str | None] = lambda: None
+    prepare: Callable[[Any, int], dict[str, jax.Array]] = lambda model, rows: {}
+    describe: Callable[[], str] = lambda: ""
+    widens_weights: bool = False  # its products take bfloat16 weights under float32 arithmetic without copying them
+
+
+_REGISTRY: dict[str, Backend] = {}
+_RUNTIME: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("granite_jax_runtime", default=None)
+_COMPANIONS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("granite_jax_companions", default=None)
+
+
+def backend(name: str) -> Backend:
+    """The backend `name`, created empty on first mention (its module fills it in)."""
+    return _REGISTRY.setdefault(name, Backend(name))
+
+
+def replaceable(fn: Callable) -> Callable:
+    """Mark a plain-JAX function (or method) as an op that backends may replace."""
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        impl = _chosen(fn.__qualname__)
+        return fn(*args, **kwargs) if impl is None else impl(fn, *args, **kwargs)
+
+    return op
+
+
+def register(backend_name: str, op: Callable, impl: Callable, *, covers: tuple[Callable, ...] = ()) -> None:
+    """`impl(reference, *args, **kwargs)` runs `op` (a `replaceable`) on `backend_name`, `reference` being its plain-JAX
+    body. `covers`: ops whose work it does too (a fused kernel); it is passed over where an earlier backend of the
+    runtime replaces one of them."""
+    covered = frozenset(c.__qualname__ for c in covers)
+    backend(backend_name).impls[op.__qualname__] = (impl, covered)
+
+
+@contextlib.contextmanager
+def using(runtime: Runtime) -> Iterator[Runtime]:
+    """Trace with `runtime`'s choices."""
+    token = _RUNTIME.set(runtime)
+    try:
+        yield runtime
+    finally:
+        _RUNTIME.reset(token)
+
+
+def current() -> Runtime:
+    return _RUNTIME.get() or Runtime()
+
+
+def _chosen(op: str) -> Callable | None:
+    replaced: set[str] = set()
+    for found in filter(None, map(loaded, current().backends)):
+        impl, covers = found.impls.get(op, (None, frozenset()))
+        if impl is not None and not covers & replaced:
+            return impl
+        replaced |= found.impls.keys()
+    return None
+
+
+@functools.cache
+def loaded(name: str) -> Backend | None:
+    """The backend `name`, its module imported, if it can run here (else None, the reason logged once)."""
+    try:
+        importlib.import_module(BACKENDS[name])
+    except ImportError as e:
+        log.warning("granite_jax: the %s backend is not installed (%s); running plain JAX", name, e)
+        return None
+    found = backend(name)
+    reason = found.available()
+    if reason is not None:
+        log.info("granite_jax: the %s backend does not run here (%s)", name, reason)
+        return None
+    return found
+
+
+def widens_weights(runtime: Runtime) -> bool:
+    """Whether a backend of `runtime` runs here whose products widen bfloat16 weights without copying them."""
+    return any(b is not None and b.widens_weights for b in map(loaded, runtime.backends))
+
+
+def describe(runtime: Runtime) -> str:
+    """What runs besides plain JAX under `runtime`, for records."""
+    found = [(name, loaded(name)) for name in runtime.backends]
+    parts = [f"{name}: {b.describe() or 'on'}" if b else f"{name}: not running here" for name, b in found]
+    return "; ".join(parts) or "plain JAX"
+
+
+# ---------------------------------------------------------------------------------------------- derived weights
+
+
+def prepare(model: Any, rows: int) -> Prepared:
+    """What each backend of `model.runtime` derives from its weights for steps of `rows` rows, to pass into a jitted
+    step beside the weights (`bound`)."""
+    found = {name: loaded(name) for name in model.runtime.backends}
+    return {name: b.prepare(model, rows) for name, b in found.items() if b is not None}
+
+
+@contextlib.contextmanager
+def bound(model: Any, prepared: Prepared) -> Iterator[None]:
+    """While tracing `model` (its weights this trace's values), let `companion` find each weight's prepared arrays.
+    Matched by identity: a weight is one traced value wherever the model reads it."""
+    from flax import nnx
+
+    by_id: dict[int, dict[str, jax.Array]] = {}
+    if any(prepared.values()):
+        for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            key = ".".join(map(str, path))
+            for name, arrays in prepared.items():
+                if key in arrays:
+                    by_id.setdefault(id(param[...]), {})[name] = arrays[key]
+    token = _COMPANIONS.set(by_id)
+    try:
+        yield
+    finally:
+        _COMPANIONS.reset(token)
+
+
+def companion(weight: jax.Array, backend_name: str) -> jax.Array | None:
+    """The array `backend_name` prepared from `weight` (see `bound`), or None."""
+    return (_COMPANIONS.get() or {}).get(id(weight), {}).get(backend_name)
