@@ -1,4 +1,5 @@
-"""Random GraniteMoeHybrid checkpoints in Hugging Face format, made with transformers, for tests and benchmarks.
+"""Random GraniteMoeHybrid checkpoints in Hugging Face format, made with transformers, for tests and benchmarks; and
+the float64 attention oracle of the model and kernel tests.
 
 Nothing is downloaded: the weights are transformers' random init under a fixed seed and the tokenizer is a byte-level
 BPE trained in-process on a small built-in text, saved with a Granite-style chat template.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import os
 from typing import Any
+
+import numpy as np
 
 TINY_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
@@ -95,6 +98,21 @@ def make_checkpoint(
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+def attention_float64(q, k, v, query_slots, pad, scale):
+    """Masked softmax attention in float64 numpy: q (b, T, kv, rep, hd), k/v (b, kv, S, hd); query t of row b sees the
+    slots [pad[b], query_slots[t]]."""
+    q, k, v = (np.asarray(np.asarray(t, np.float32), np.float64) for t in (q, k, v))  # bfloat16 via float32
+    query_slots, pad = np.asarray(query_slots), np.asarray(pad)
+    slots = np.arange(k.shape[2])
+    mask = (slots[None, None, :] <= query_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
+    scores = np.einsum("btkrd,bksd->bkrts", q, k) * scale
+    scores = np.where(mask[:, None, None], scores, -np.inf)
+    with np.errstate(invalid="ignore"):  # padding queries see no key at all: NaN rows, never compared
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+    return np.einsum("bkrts,bksd->btkrd", probs, v)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,9 +19,9 @@ Per head, with a_t = dt_t * A and, inside chunk c, the cumulative log-decay s_t 
    C_m @ B_k^T is computed once per program and shared by its heads; causal k-blocks above the diagonal are skipped.
    This fuses the reference's kernels 4 (C B^T) and 5 (chunk scan).
 
-Kernels 1 and 2 replaced one kernel that walked each head's whole sequence in order, carrying the state: on an H200
-at h-tiny dims (batch 1, bf16) that walk took 141 us of the SSD's 361 at 8k tokens, the two kernels 103 us, and the
-SSD 271 us (benchmarks/results/gpu_ssd-2026-11-30-h200-state-designs.json).
+Kernels 1 and 2 are two, not one kernel walking each head's whole sequence in order with the state, because the walk
+is sequential where the chunk-local states are not: on an H200 at h-tiny dims (batch 1, bf16, 8k tokens) the walk
+took 141 us of a 361 us SSD, the two kernels 103 us of a 271 us one (docs/kernels.md).
 
 Numerics: dt, the cumulative decays, the carried state and every accumulator are float32; matmul operands are the
 input dtype for 16-bit inputs (the decay-weighted x, the decayed C B^T and the entering state are rounded to it, as in
@@ -73,7 +73,7 @@ class PrefillConfig:
     state_warps: int | None = None  # None: 4 for 16-bit inputs, 8 for float32 (3xTF32 needs the registers)
     state_stages: int = 2
     output_warps: int | None = None  # None: as state_warps
-    output_stages: int | None = None  # None: 3 for 16-bit inputs (1.07x over 2 on an H200, 2026-11-30), 2 for float32,
+    output_stages: int | None = None  # None: 3 for 16-bit inputs (1.07x over 2 on an H200), 2 for float32,
     # whose tiles take twice the shared memory
     pass_block: int = 1024  # float32 state values per program of the pass over the chunks
 

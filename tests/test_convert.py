@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from granite_jax import checkpoint, convert, params
-from granite_jax.params import CheckpointError, load_model
+from granite_jax import convert
+from granite_jax.checkpoint import CheckpointError, export_safetensors, load_model, stored_dtype
+from granite_jax.checkpoint import orbax as checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_restore_straight_to_bfloat16(orbax_checkpoint, tiny_checkpoint):
 def test_convert_to_bfloat16_storage(tiny_checkpoint, tmp_path):
     out = tmp_path / "bf16"
     convert.convert(tiny_checkpoint, out, dtype="bfloat16")
-    assert checkpoint.read_marker(out)["param_dtype"] == "bfloat16" == params.stored_dtype(out)
+    assert checkpoint.read_marker(out)["param_dtype"] == "bfloat16" == stored_dtype(out)
     assert {x.dtype for x in _leaves(load_model(out, dtype=jnp.float32))} == {jnp.dtype(jnp.float32)}
 
 
@@ -144,7 +145,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path):
 
 def test_export_to_hf_safetensors_round_trip(orbax_checkpoint, tmp_path):
     model = load_model(orbax_checkpoint)
-    convert.export_safetensors(model, tmp_path / "hf")
+    export_safetensors(model, tmp_path / "hf")
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     for a, b in zip(_leaves(model), _leaves(load_model(tmp_path / "hf")), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

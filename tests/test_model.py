@@ -1,4 +1,5 @@
-"""Parity of the Flax model with transformers' GraniteMoeHybridForCausalLM in fp32, per layer and on the logits."""
+"""Parity of the Flax model with transformers' GraniteMoeHybridForCausalLM in fp32, per layer and on the logits; the
+model's own pieces (conv ring, cached attention, MoE routes, dtypes, input checks) against float64 or each other."""
 
 from __future__ import annotations
 
@@ -10,33 +11,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import attention_float64
 from flax import nnx
 
-from granite_jax import cpu_kernels
 from granite_jax import model as granite_model
-from granite_jax.checkpoint import save_checkpoint
+from granite_jax import ops
+from granite_jax.checkpoint import load_model
 from granite_jax.model import (
     Cache,
     KVState,
-    Linear,
-    Packed,
     Positions,
-    _attend_blocks,
     abstract_model,
     attend_cache,
     causal_conv,
     conv_step,
     count_params,
+    expert_linear,
     history_ring,
-    pack_for_decoding,
     ring_history,
     with_dtype,
-    with_ssd_impl,
+    with_runtime,
 )
-from granite_jax.params import load_model
+from granite_jax.ops import Runtime
 from granite_jax.presets import released_config
 from granite_jax.ssd import ssd
+from granite_jax.testing import attention_float64
 
 RTOL = 1e-5
 # One compiled program per (model, shape): op-by-op dispatch of a whole model is far slower than compiling it.
@@ -164,8 +162,8 @@ def test_padding_does_not_leak_into_real_tokens(pairs):
 def test_naive_ssd_model_equals_xla(pairs, variant):
     pair = pairs(variant)
     ids = jnp.asarray(np.random.default_rng(3).integers(0, pair.vocab, (2, 40)))
-    naive = with_ssd_impl(pair.jax, "naive")
-    assert naive.layers[0].mamba.cfg.ssd_impl == "naive" and pair.jax.layers[0].mamba.cfg.ssd_impl == "xla"
+    naive = with_runtime(pair.jax, pair.jax.runtime.replace(ssd="naive"))
+    assert naive.runtime.ssd == "naive" and pair.jax.runtime.ssd == "xla"
     zeros = jnp.zeros(2, jnp.int32)
     assert rel_err(_logits(naive, ids, zeros), _logits(pair.jax, ids, zeros)) <= RTOL
 
@@ -230,50 +228,6 @@ def test_decode_step_updates_the_conv_state_in_place(tiny_model):
     assert not copied, f"the decode step copies the conv states {copied}"
 
 
-@pytest.mark.parametrize("variant", ["moe_hybrid", "untied_head"])
-def test_packed_weights_decode_like_the_parameters(hf_checkpoint, variant, tmp_path):
-    # What a Generator does on CPUs: every Linear (and a tied embedding) gets a panel copy of its weight, which decode
-    # steps of 2-16 rows stream through the kernel. The logits must stay those of the parameters, and the copies
-    # must not leak into saved checkpoints.
-    d = hf_checkpoint(**VARIANTS[variant])
-    plain, model = load_model(d), load_model(d)
-    added = pack_for_decoding(model)
-    weights = [m.weight[...] for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
-    if model.cfg.tie_word_embeddings:
-        weights.append(model.embed_tokens.embedding[...])
-    assert added == sum(4 * -(-w.shape[0] // 8) * 8 * w.shape[1] for w in weights) > 0
-    for packed in jax.tree.leaves(nnx.state(model, Packed)):
-        assert packed.ndim == 3 and packed.shape[2] == 8
-
-    ids = jnp.asarray(np.random.default_rng(7).integers(3, 300, (3, 12)))
-    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
-    if cpu_kernels.available():
-        text = step.trace(model, ids[:, :1], Cache.init(model.cfg, 3, 16)).lower().as_text()
-        assert cpu_kernels.TARGET in text
-    outs = []
-    for m in (plain, model):
-        cache, logits = Cache.init(m.cfg, 3, 16), []
-        for t in range(ids.shape[1]):  # one token per step: every product has 3 rows
-            out, cache = step(m, ids[:, t : t + 1], cache)
-            logits.append(np.asarray(out))
-        outs.append(np.concatenate(logits, axis=1))
-    assert rel_err(outs[1], outs[0]) <= RTOL
-
-    out = save_checkpoint(model, tmp_path / "saved")
-    restored = load_model(out)
-    assert not jax.tree.leaves(nnx.state(restored, Packed))
-    for a, b in zip(jax.tree.leaves(nnx.state(plain, nnx.Param)), jax.tree.leaves(nnx.state(restored, nnx.Param))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_only_float32_and_bfloat16_models_are_packed(tiny_checkpoint):
-    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.float16)) == 0
-    assert pack_for_decoding(load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.float16)) == 0
-    model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
-    packed = pack_for_decoding(model)
-    assert packed > 0 and all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(nnx.state(model, Packed)))
-
-
 @pytest.mark.parametrize("start, T", [(0, 5), (33, 1), (90, 7), (99, 1)])
 def test_blocked_cache_attention_equals_float64(start, T):
     # 100 slots in blocks of 16: the last block is shifted back and overlaps the one before it; row 1's padding
@@ -288,10 +242,9 @@ def test_blocked_cache_attention_equals_float64(start, T):
     cache = KVState(jnp.asarray(k), jnp.asarray(v))
     want = attention_float64(q, k, v, query_slots, pad, 0.3)
     real = query_slots[None, :] >= pad[:, None]  # padding queries' outputs are unused
-    got = [attend_cache(jnp.asarray(q), cache, pos, 0.3, block=16)]
-    if T == 1:  # one query per row goes to cpu_kernels.decode_attention (a kernel on CPUs): XLA's blocks checked too
-        got.append(_attend_blocks(jnp.asarray(q), cache, pos, 0.3, 16))
-    for out in got:
+    for runtime in (Runtime(kernels=False), Runtime()):  # the plain-JAX blocks, and a platform's kernel where one runs
+        with ops.using(runtime):
+            out = attend_cache(jnp.asarray(q), cache, pos, 0.3, block=16)
         np.testing.assert_allclose(np.asarray(out)[real], want[real], rtol=1e-5, atol=1e-5)
 
 
@@ -322,47 +275,19 @@ def test_ssd_gets_x_b_c_in_the_model_dtype(tiny_checkpoint, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_bfloat16_decode_runs_the_kernels_and_stays_close(tiny_checkpoint, batch):
-    # bfloat16 decode steps on CPUs: one row through the matrix-vector kernel, three through packed panels, and the
-    # expert rows through the expert kernel (float32 arithmetic on bfloat16 weights). Teacher-forced token by token,
-    # the logits stay those of the float32 model up to bfloat16 rounding.
-    ids = jnp.asarray(np.random.default_rng(9).integers(3, 300, (batch, 10)))
-    f32 = np.asarray(_logits(load_model(tiny_checkpoint), ids, jnp.zeros(batch, jnp.int32)))
-    model = load_model(tiny_checkpoint, dtype=jnp.bfloat16)
-    assert pack_for_decoding(model) > 0
-    assert model.cfg.num_local_experts > 0
-    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
-    cache = Cache.init(model.cfg, batch, 16, jnp.bfloat16)
-    if cpu_kernels.available():
-        text = step.trace(model, ids[:, :1], cache).lower().as_text()
-        assert (cpu_kernels.MATVEC_TARGET if batch == 1 else cpu_kernels.TARGET) in text
-        assert cpu_kernels.EXPERT_TARGET in text
-    logits = []
-    for t in range(ids.shape[1]):
-        out, cache = step(model, ids[:, t : t + 1], cache)
-        logits.append(np.asarray(out, np.float32))
-    assert rel_err(np.concatenate(logits, axis=1), f32) < 3e-2
-
-
-@pytest.mark.parametrize("batch", [1, 3])
 def test_float32_on_bfloat16_weights_is_the_float32_model_of_those_weights(tiny_checkpoint, batch):
-    # param_dtype bfloat16 under dtype float32: every product and the Mamba decoding step take the weights as stored
-    # (the kernels widen them in registers; XLA converts them), so prefill and decode give the logits of the float32
-    # model whose weights are the same bfloat16 values, from half the weight memory (packed copies included).
+    # weight_dtype bfloat16 under dtype float32: every product and the Mamba decoding step take the weights as stored
+    # (a kernel backend widens them in registers; plain JAX converts them where they are used), so prefill and decode
+    # give the logits of the float32 model whose weights are the same bfloat16 values, from half the weight memory.
     reference = load_model(tiny_checkpoint)
     rounded = jax.tree.map(lambda a: a.astype(jnp.bfloat16).astype(jnp.float32), nnx.state(reference, nnx.Param))
     nnx.update(reference, rounded)
-    mixed = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    mixed = load_model(tiny_checkpoint, dtype=jnp.float32, weight_dtype=jnp.bfloat16)
     assert {x.dtype for x in jax.tree.leaves(nnx.state(mixed, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
-    naive = nnx.state(with_ssd_impl(mixed, "naive"), nnx.Param)  # shares the weights as they are
+    naive = nnx.state(with_runtime(mixed, Runtime(ssd="naive")), nnx.Param)  # shares the weights as they are
     assert {x.dtype for x in jax.tree.leaves(naive)} == {jnp.dtype(jnp.bfloat16)}
-    assert 2 * pack_for_decoding(mixed) == pack_for_decoding(reference) > 0
     ids = jnp.asarray(np.random.default_rng(4).integers(3, 300, (batch, 10)))
     step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
-    if cpu_kernels.available():
-        text = step.trace(mixed, ids[:, :1], Cache.init(mixed.cfg, batch, 16)).lower().as_text()
-        assert (cpu_kernels.MATVEC_TARGET if batch == 1 else cpu_kernels.TARGET) in text
-        assert cpu_kernels.EXPERT_TARGET in text and cpu_kernels.MAMBA_TARGET in text
     outs = []
     for model in (reference, mixed):
         out, cache = step(model, ids[:, :4], Cache.init(model.cfg, batch, 16))  # a prefill, then decode steps
@@ -383,28 +308,13 @@ def test_with_dtype_computes_in_float32_on_the_same_bfloat16_weights(tiny_checkp
     assert f32.dtype == jnp.float32 and f32.cfg == bf16.cfg
     shared = zip(jax.tree.leaves(nnx.state(bf16, nnx.Param)), jax.tree.leaves(nnx.state(f32, nnx.Param)))
     assert all(a is b for a, b in shared)
-    expected = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    expected = load_model(tiny_checkpoint, dtype=jnp.float32, weight_dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(5).integers(3, 300, (2, 24)))
     forward = jax.jit(lambda m, t: m.forward(t)[0])
     logits = forward(f32, ids)
     assert logits.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(forward(expected, ids)))
     assert rel_err(forward(bf16, ids), logits) > 1e-4  # bfloat16 rounding: f32 is not the bfloat16 model
-
-
-@pytest.mark.skipif(not cpu_kernels.available(), reason="XLA alone converts every weight at the start of a step")
-def test_float32_prefill_on_bfloat16_weights_keeps_no_float32_copy_of_them(tiny_checkpoint):
-    # XLA's products of many rows take the weights in float32: each bfloat16 weight is widened right before its
-    # product (`cpu_kernels.cast_at_use`), so the compiled prefill needs no more temporary memory than the float32
-    # model's plus one widened weight (converted all at once, they would add all of the weights again in float32).
-    ids = jnp.ones((2, 64), jnp.int32)
-    forward = jax.jit(lambda model, ids: model(ids))
-    temp = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        model = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=dtype)
-        temp[dtype] = forward.trace(model, ids).lower().compile().memory_analysis().temp_size_in_bytes
-    widened = [4 * m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
-    assert temp[jnp.bfloat16] <= temp[jnp.float32] + max(widened) < temp[jnp.float32] + sum(widened) / 2
 
 
 # Published totals (ibm.com/granite/docs): h-tiny ~6.9B, h-small ~32.2B, h-1b ~1.46B, h-350m ~0.34B.
@@ -424,32 +334,59 @@ def test_released_configs_build_abstractly_with_published_sizes(name, billions, 
     assert count_params(model) / 1e9 == pytest.approx(billions, abs=tol)
 
 
-def test_moe_routes_agree_in_value_and_gradient():
-    # 40 tokens x top-2 = 80 rows (past GATHER_ROWS). The route of GPUs and TPUs (ragged_dot on rows grouped by expert)
-    # and the row-by-row route (the expert kernel on CPUs, its tangents by XLA's blocks) must give the same outputs
-    # and input gradients (the model stays trainable).
-    from flax import nnx
+def test_expert_routes_agree_with_float64_in_value_and_gradient():
+    # `expert_linear` gathers the chosen experts' matrices for few rows (decoding) and groups many rows by expert for
+    # one ragged product (prefill, training). Both are the float64 product, and their gradients agree: the model
+    # trains through either (plain JAX: Runtime(kernels=False)).
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((4, 24, 16)), jnp.float32)
+    for rows in (granite_model.GATHER_ROWS, granite_model.GATHER_ROWS + 16):
+        x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+        experts = jnp.asarray(rng.integers(0, 4, rows), jnp.int32)
+        want = np.einsum("rk,rkn->rn", np.asarray(x, np.float64), np.asarray(w, np.float64)[np.asarray(experts)])
+        with ops.using(Runtime(kernels=False)):
+            got = jax.jit(expert_linear)(x, w, experts)
+            loss = lambda x, w, e: jnp.sum(jnp.sin(expert_linear(x, w, e)))  # noqa: E731
+            grads = jax.jit(jax.grad(loss, (0, 1)))(x, w, experts)
+        assert rel_err(got, want) <= RTOL
+        upstream = np.cos(want)
+        gx = np.einsum("rn,rkn->rk", upstream, np.asarray(w, np.float64)[np.asarray(experts)])
+        gw = np.zeros(w.shape)
+        np.add.at(gw, np.asarray(experts), np.einsum("rk,rn->rkn", np.asarray(x, np.float64), upstream))
+        assert rel_err(grads[0], gx) <= RTOL and rel_err(grads[1], gw) <= RTOL
 
-    from granite_jax.config import ModelConfig
-    from granite_jax.model import MoE
-    from granite_jax.testing import TINY_CONFIG
 
-    cfg = ModelConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=320, model_type="granitemoehybrid"))
-    moe = MoE(cfg, rngs=nnx.Rngs(3))
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((40, cfg.hidden_size)), jnp.float32)
+def test_plain_jax_model_equals_the_models_runtime_in_prefill_and_decode(tiny_checkpoint):
+    # The default runtime runs a platform's kernels where they are available (CPUs); the plain-JAX model is the
+    # definition. A prefill and decode steps at batch 1 and 3 give the same logits either way.
+    model = load_model(tiny_checkpoint)
+    plain = with_runtime(model, Runtime(kernels=False))
+    step = jax.jit(lambda model, ids, cache: model.forward(ids, cache=cache)[:2])
+    for batch in (1, 3):
+        ids = jnp.asarray(np.random.default_rng(batch).integers(3, 300, (batch, 12)))
+        outs = []
+        for m in (plain, model):
+            out, cache = step(m, ids[:, :5], Cache.init(m.cfg, batch, 16))
+            logits = [np.asarray(out)]
+            for t in range(5, ids.shape[1]):
+                out, cache = step(m, ids[:, t : t + 1], cache)
+                logits.append(np.asarray(out))
+            outs.append(np.concatenate(logits, axis=1))
+        assert rel_err(outs[1], outs[0]) <= RTOL
 
-    def route(method):
-        def loss(x):
-            logits = moe.router(x).astype(jnp.float32)
-            top, experts = jax.lax.top_k(logits, cfg.num_experts_per_tok)
-            y = method(x, experts, jax.nn.softmax(top, axis=-1))
-            return jnp.sum(y * jnp.cos(y)), y
 
-        return jax.value_and_grad(loss, has_aux=True)(x)
-
-    (_, ragged), grad_ragged = route(moe._ragged)
-    (_, rows), grad_rows = route(moe._rows)
-    assert rel_err(ragged, rows) <= RTOL and rel_err(grad_ragged, grad_rows) <= RTOL
+def test_with_runtime_shares_the_weights_and_retraces(tiny_checkpoint):
+    # A runtime is not a weight: switching it copies nothing, and a jitted function taking the model traces again.
+    model = load_model(tiny_checkpoint)
+    naive = with_runtime(model, Runtime(ssd="naive"))
+    shared = zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(naive, nnx.Param)))
+    assert all(a is b for a, b in shared)
+    traced = []
+    logits = jax.jit(lambda m, ids: traced.append(m.runtime) or m(ids))
+    ids = jnp.ones((1, 20), jnp.int32)
+    for m in (model, naive, model):
+        logits(m, ids)
+    assert traced == [Runtime(), Runtime(ssd="naive")]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The model with ssd_impl="pallas" (kernels interpreted on CPU) equals ssd_impl="xla" on a tiny config.
+"""The model under Runtime(ssd="pallas") (kernels interpreted on CPU) equals the "xla" SSD on a tiny config.
 
 Covers the prefill kernels (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
 prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache). Also: the
@@ -15,8 +15,10 @@ from flax import nnx
 
 import pallas_kernels
 from granite_jax.config import ModelConfig
-from granite_jax.generate import SamplingConfig, abstract_steps
-from granite_jax.model import Cache, Granite, with_ssd_impl
+from granite_jax.generation import SamplingConfig
+from granite_jax.generation.steps import abstract_steps
+from granite_jax.model import Cache, Granite, with_runtime
+from granite_jax.ops import Runtime
 from granite_jax.presets import released_config
 
 TOLERANCE = 1e-5  # float32 throughout: relative (Frobenius) error of the logits (measured 4-6e-7)
@@ -60,8 +62,7 @@ def _prefill_then_decode(model, prompt, second, steps):
 
 def test_pallas_model_equals_xla():
     xla = Granite(TINY, rngs=nnx.Rngs(0))
-    pallas = with_ssd_impl(xla, "pallas")
-    assert pallas.layers[0].mamba.cfg.ssd_impl == "pallas"
+    pallas = with_runtime(xla, Runtime(ssd="pallas"))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 40 + 9 + 2)))
     prompt, second, steps = tokens[:, :40], tokens[:, 40:49], tokens[:, 49:]
 
@@ -74,7 +75,7 @@ def test_pallas_model_equals_xla():
         assert err <= TOLERANCE, name
 
 
-def _generation_steps(cfg, dtype, weight_dtype, prompt_len: int, cache_len: int) -> dict:
+def _generation_steps(cfg, ssd: str, dtype, weight_dtype, prompt_len: int, cache_len: int) -> dict:
     """name -> (fn, args): the Generator's prefill and decode steps at batch 1, sampling on, model and arguments
     abstract."""
     sampling = SamplingConfig(temperature=0.7, top_k=5)
@@ -85,6 +86,7 @@ def _generation_steps(cfg, dtype, weight_dtype, prompt_len: int, cache_len: int)
         cache_len=cache_len,
         dtype=dtype,
         weight_dtype=weight_dtype,
+        runtime=Runtime(ssd=ssd),
         sampling=sampling,
     )
 
@@ -98,10 +100,11 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
     # (batch 1: the decode products go to the matrix-vector kernel on CPUs) must give way to its XLA version
     # (`lax.platform_dependent`), and with "pallas" the SSD runs as Triton calls (three per Mamba layer in prefill,
     # one in decode).
-    cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2, ssd_impl=ssd_impl)
+    cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2)
     mamba_layers = cfg.layer_types.count("mamba")
+    steps = _generation_steps(cfg, ssd_impl, dtype, weight_dtype, prompt_len=40, cache_len=64)
     with pallas_kernels.cuda_lowering():
-        for name, (fn, args) in _generation_steps(cfg, dtype, weight_dtype, prompt_len=40, cache_len=64).items():
+        for name, (fn, args) in steps.items():
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "granite_" not in text, f"{name}: a CPU kernel in the CUDA program"
             per_layer = 3 if name == "prefill" else 1
@@ -115,11 +118,12 @@ def test_generation_steps_compile_for_h200(dtype, h200_target):
     # six layers: five Mamba, one attention, all MoE) with the Pallas SSD, for an 8K-token cache.
     from pallas_kernels import aot
 
-    cfg = released_config("granite-4.0-h-tiny", ssd_impl="pallas")
+    cfg = released_config("granite-4.0-h-tiny")
     cfg = cfg.replace(layer_types=cfg.layer_types[:6])
     assert set(cfg.layer_types) == {"mamba", "attention"} and cfg.num_local_experts > 0
+    steps = _generation_steps(cfg, "pallas", dtype, jnp.bfloat16, prompt_len=4096, cache_len=8192)
     with pallas_kernels.cuda_lowering():
-        for fn, args in _generation_steps(cfg, dtype, jnp.bfloat16, prompt_len=4096, cache_len=8192).values():
+        for fn, args in steps.values():
             aot.compile_for_gpu(fn, *args)
 
 

@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from granite_jax.ssd import segsum, ssd, ssd_chunked, ssd_chunked_naive, ssd_reference, ssd_step, xla_chunk_size
+from granite_jax import ops
+from granite_jax.ssd import segsum, ssd, ssd_chunked, ssd_chunked_naive, ssd_reference, ssd_step
+
+IMPLS = {"xla": ssd_chunked, "naive": ssd_chunked_naive}
 
 
 def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
@@ -51,23 +54,23 @@ def test_chunked_matches_float64_recurrence(impl, shape, with_state):
     s0 = rng.standard_normal((b, h, p, n)) if with_state else None
     y_ref, s_ref = float64_reference(inputs, s0)
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
-    y, s = ssd(**f32, chunk_size=chunk, initial_state=None if s0 is None else jnp.asarray(s0, jnp.float32), impl=impl)
+    y, s = IMPLS[impl](**f32, chunk_size=chunk, initial_state=None if s0 is None else jnp.asarray(s0, jnp.float32))
     assert y.dtype == s.dtype == jnp.float32
     assert rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
 
 
-def test_xla_path_with_the_checkpoints_256_chunk():
-    # Released configs say chunk 256; on CPU the "xla" path runs 64-token chunks. Either chunk is the same scan.
+@pytest.mark.parametrize("runtime", [ops.Runtime(), ops.Runtime(kernels=False), ops.Runtime(ssd="naive")])
+def test_the_models_ssd_under_each_runtime_with_the_checkpoints_256_chunk(runtime):
+    # Released configs say chunk 256; a backend may run other chunks (the CPU kernels' runs 64-token ones) and the
+    # "naive" runtime the broadcast-sum form: each is the same scan.
     rng = np.random.default_rng(11)
     inputs = random_inputs(rng, 1, 300, 4, 8, 1, 16)
     s0 = rng.standard_normal((1, 4, 8, 16))
     y_ref, s_ref = float64_reference(inputs, s0)
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
-    y, s = ssd(**f32, chunk_size=256, initial_state=jnp.asarray(s0, jnp.float32), impl="xla")
+    with ops.using(runtime):
+        y, s = jax.jit(lambda f32, s0: ssd(**f32, chunk_size=256, initial_state=s0))(f32, jnp.asarray(s0, jnp.float32))
     assert rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
-    y256, _ = ssd_chunked(**f32, chunk_size=256, initial_state=jnp.asarray(s0, jnp.float32))
-    assert rel(y256, y_ref) < 2e-5
-    assert xla_chunk_size(256) == (64 if jax.default_backend() == "cpu" else 256) and xla_chunk_size(16) == 16
 
 
 @pytest.mark.parametrize("impl", ["xla", "naive"])
@@ -75,7 +78,7 @@ def test_fast_decaying_heads_stay_finite_and_exact(impl):
     rng = np.random.default_rng(7)
     inputs = random_inputs(rng, 1, 64, 4, 8, 1, 16, dt_scale=30.0)  # dt * |A| up to ~100 per step
     y_ref, s_ref = float64_reference(inputs, None)
-    y, s = ssd(**{k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}, chunk_size=32, impl=impl)
+    y, s = IMPLS[impl](**{k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}, chunk_size=32)
     assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
 
 
@@ -102,7 +105,7 @@ def test_fast_decaying_heads_in_256_token_chunks(impl):
     inputs = random_inputs(rng, 1, 300, 4, 8, 1, 16, dt_scale=30.0)
     y_ref, s_ref = float64_reference(inputs, None)
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
-    y, s = ssd_chunked(**f32, chunk_size=256) if impl == "xla" else ssd(**f32, chunk_size=256, impl=impl)
+    y, s = IMPLS[impl](**f32, chunk_size=256)
     assert np.isfinite(np.asarray(y)).all() and rel(y, y_ref) < 2e-5 and rel(s, s_ref) < 2e-5
 
 

@@ -119,11 +119,16 @@ def greedy_tokens(reference, logits: Array) -> Array:
 
 
 def chunked_ssd(reference, x, dt, A, B, C, D, *, chunk_size: int, initial_state=None):
-    """The "xla" SSD in chunks of at most `CPU_CHUNK`: the same result up to rounding (the chunk only sets where the
-    quadratic intra-chunk form hands over to the state recurrence)."""
+    """The "xla" SSD in chunks of at most `CPU_CHUNK` on CPUs: the same result up to rounding (the chunk only sets where
+    the quadratic intra-chunk form hands over to the state recurrence). Other platforms keep the config's chunk."""
     ssd.check_chunk_size(chunk_size)
-    chunk = min(chunk_size, CPU_CHUNK)
-    return reference(x, dt, A, B, C, D, chunk_size=chunk, initial_state=initial_state)
+    if chunk_size <= CPU_CHUNK:
+        return reference(x, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state)
+
+    def chunked(chunk):
+        return lambda *args: reference(*args, chunk_size=chunk, initial_state=initial_state)
+
+    return _on_cpu(chunked(chunk_size), chunked(CPU_CHUNK), x, dt, A, B, C, D)
 
 
 def ssd_step(reference, state: Array, x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array):

@@ -8,12 +8,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from granite_jax.cpu import build
+
 Array = jax.Array
 F32 = jnp.float32
 
 
-def _call(target: str, out, *args, **attributes):
-    return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attributes)
+def _call(target: str, out, *args, aliases: dict[int, int] | None = None, **attributes):
+    reason = build.unavailable_reason()  # builds and registers the targets on first use
+    if reason is not None:
+        raise RuntimeError(f"granite_jax.cpu: {target} cannot run here ({reason})")
+    call = jax.ffi.ffi_call(target, out, input_output_aliases=aliases, vmap_method="sequential")
+    return call(*args, **attributes)
 
 
 def matvec(x: Array, w: Array) -> Array:
@@ -50,8 +56,7 @@ def ssm_update(state: Array, decay: Array, dtx: Array, B: Array, C: Array) -> tu
     """state <- decay * state + dtx B^T (in place), and y = state C: state (b, h, p, n), decay (b, h), dtx (b, h, p),
     B and C (b, g, n). Returns (new state, y)."""
     outs = (jax.ShapeDtypeStruct(state.shape, F32), jax.ShapeDtypeStruct(dtx.shape, F32))
-    call = jax.ffi.ffi_call("granite_ssm_update_f32", outs, input_output_aliases={0: 0}, vmap_method="sequential")
-    return call(state, decay, dtx, B, C)
+    return _call("granite_ssm_update_f32", outs, state, decay, dtx, B, C, aliases={0: 0})
 
 
 def mamba_step(
@@ -75,20 +80,11 @@ def mamba_step(
     b = zxbcdt.shape[0]
     y = jax.ShapeDtypeStruct((b, 1, state.shape[1] * state.shape[2]), F32)
     outs = (y, jax.ShapeDtypeStruct(ring.shape, F32), jax.ShapeDtypeStruct(state.shape, F32))
-    call = jax.ffi.ffi_call("granite_mamba_step", outs, input_output_aliases={2: 1, 10: 2}, vmap_method="sequential")
     lo, hi = time_step_limit
     weights = (conv_weight, conv_bias, dt_bias, A_log, D, norm_weight)
-    return call(
-        zxbcdt,
-        mask,
-        ring,
-        jnp.asarray(slot, jnp.int32),
-        *weights,
-        state,
-        lo=np.float32(lo),
-        hi=np.float32(hi),
-        eps=np.float32(eps),
-    )
+    args = (zxbcdt, mask, ring, jnp.asarray(slot, jnp.int32), *weights, state)
+    floats = dict(lo=np.float32(lo), hi=np.float32(hi), eps=np.float32(eps))
+    return _call("granite_mamba_step", outs, *args, aliases={2: 1, 10: 2}, **floats)
 
 
 def decode_attention(q: Array, k: Array, v: Array, pad: Array, slot: Array, scale: float) -> Array:

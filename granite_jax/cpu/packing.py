@@ -57,10 +57,12 @@ def streamed_weights(model) -> dict[str, Array]:
 @dataclasses.dataclass
 class _Copies:
     sources: list[weakref.ref]  # the weights the panels were made from: a model given new weights is packed again
+    pack_weights: bool | None  # the runtime's choice they were made under: another choice decides again
     panels: dict[str, Array]  # {} where packing was declined
 
-    def made_from(self, weights: dict[str, Array]) -> bool:
-        return len(self.sources) == len(weights) and all(r() is w for r, w in zip(self.sources, weights.values()))
+    def still_for(self, model, weights: dict[str, Array]) -> bool:
+        same = len(self.sources) == len(weights) and all(r() is w for r, w in zip(self.sources, weights.values()))
+        return same and self.pack_weights == model.runtime.pack_weights
 
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Copies
@@ -68,16 +70,16 @@ _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Co
 
 def prepare(model, rows: int) -> dict[str, Array]:
     """The panels of `model`'s streamed weights for decode steps of `rows` rows ({} where none are used), made on the
-    first call and kept with the model."""
+    first call and kept with the model, as is a decision not to make them (the memory is not probed again)."""
     if not MIN_ROWS <= rows <= MAX_ROWS or model.runtime.pack_weights is False:
         return {}
     weights = streamed_weights(model)
     if not {jnp.dtype(model.dtype), *(w.dtype for w in weights.values())} <= set(KERNEL_DTYPES):
         return {}
     copies = _COPIES.get(model)
-    if copies is None or not copies.made_from(weights):
+    if copies is None or not copies.still_for(model, weights):
         panels = {path: pack(w) for path, w in weights.items()} if _fits(model, weights) else {}
-        copies = _Copies([weakref.ref(w) for w in weights.values()], panels)
+        copies = _Copies([weakref.ref(w) for w in weights.values()], model.runtime.pack_weights, panels)
         _COPIES[model] = copies
     return copies.panels
 

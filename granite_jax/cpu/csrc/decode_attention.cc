@@ -5,8 +5,8 @@
 // in float32, by the online softmax of flash attention (Dao et al. 2022, Alg. 1): BLOCK keys at a time, a running
 // max and normalizer per query, the partial output rescaled by exp(m_old - m_new) as each block arrives. Each (b, g)
 // reads its keys and values once, in order, for all rep queries. XLA:CPU runs model.py's blocks as a loop of small
-// fusions, its reductions split into reduce-windows: on the 2-core test VM this kernel is 1.2-2.4x faster at 256 to
-// 32K filled slots (benchmarks/cpu_kernels.py --parts attention). It reads the cache below the memory bandwidth
+// fusions, its reductions split into reduce-windows: this kernel is 1.2-2.4x faster at 256 to 32K filled slots
+// (granite_jax/cpu/benchmarks/kernels.py --parts attention). It reads the cache below the memory bandwidth
 // (13-26 GB/s), yet the plainest loops measured fastest: scoring eight keys at a time (their sums by one transpose)
 // ran at about half the speed, with or without the partial outputs kept in registers; prefetching the keys and values
 // eight rows ahead, and independent accumulators for two keys and every query, did not help. The (b, g) pairs are

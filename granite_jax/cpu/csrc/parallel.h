@@ -17,8 +17,8 @@ namespace granite {
 
 using bf16 = uint16_t;  // bfloat16 values: the upper half of a float32's bits
 
-// How far ahead the kernels prefetch the streams they read from memory (weights, Mamba states); the best of
-// 512-4096 bytes on the test VMs (docs/generation.md, the Intel Xeon VM of 2026-12-01).
+// How far ahead the kernels prefetch the streams they read from memory (weights, Mamba states): the best of
+// 512-4096 bytes on the 2-core development machines (docs/kernels.md).
 constexpr int64_t PREFETCH_BYTES = 2048;
 
 // Eight values as float32: loaded, or widened from bfloat16 (exactly: a shift into the upper half).

@@ -1,4 +1,4 @@
-// The products of a decoding step for the few rows of x, and of the routed experts (granite_jax/cpu_kernels.py):
+// The products of a decoding step for the few rows of x, and of the routed experts (granite_jax/cpu/backend.py):
 // three kernels. W is float32 or bfloat16 (each kernel a template over its element type, `load8` widening bfloat16
 // to float32 in registers, exactly); x, y and the arithmetic are float32. At the end of this file, two that widen
 // bfloat16 weights for XLA: Widen, for its products of many rows, and TakeRows, the embedding lookup.
@@ -6,11 +6,11 @@
 // MatVec, one row of x, W as it is, (N, K) row-major. XLA:CPU walks W a few rows at a time, so at K = 768 it
 // starts a new 3 KB stream every few rows and the hardware prefetchers, which learn one stream at a time, lag:
 // 21 GB/s where K = 8192 reaches 24-25. Here each thread reads STREAMS far-apart row ranges at once, one row of each
-// per step, so every range is one long sequential stream (24-34 GB/s on a chain of the decode step's products on
-// this repository's 2-core test VM, 1.2-1.4x the few-rows-at-a-time order in the same run). Each stream is also
-// prefetched PREFETCH_BYTES ahead in software: on the 2-core Intel Xeon VM of 2026-12-01 the hardware prefetchers
-// alone read a chain of h-350m's 3376 x 768 bfloat16 matrices at 24.5 GB/s where float32 reached 29.1; prefetched,
-// 30.1 and 31.0 GB/s (batch-1 decode on bfloat16 weights 1.15x, on float32 1.07x).
+// per step, so every range is one long sequential stream (1.2-1.4x the few-rows-at-a-time order on a chain of the
+// decode step's products). Each stream is also prefetched PREFETCH_BYTES ahead in software: the hardware prefetchers
+// alone read a chain of h-350m's 3376 x 768 bfloat16 matrices more slowly than float32 ones (24.5 against 29.1 GB/s
+// on a 2-core Intel Xeon); prefetched, both stream at the same rate (batch-1 decode on bfloat16 weights 1.15x, on
+// float32 1.07x).
 //
 // ExpertMatvec, rows of x each through its own expert's matrix, W stacked (E, K, N) row-major as in the model
 // (`model.MoE`): y[r] = x[r] W[e[r]]. XLA gathers the chosen experts' matrices into a copy first, at a few GB/s, or
@@ -24,16 +24,15 @@
 // SmallMatmul, 2-16 rows of x, W packed in panels:
 // x (..., K) row-major, W packed as (P, K, 8): panel p holds rows 8p..8p+7 of the (N, K) matrix interleaved, so that
 // p[k, c] = W[8p + c, k] (rows past N are zero), y (..., N). For up to 16 rows of x the product is bound by reading W
-// once, which XLA:CPU's library GEMMs do not reach (docs/generation.md). Each panel is one contiguous stream
+// once, which XLA:CPU's library GEMMs do not reach (docs/kernels.md). Each panel is one contiguous stream
 // (prefetched PREFETCH_BYTES ahead) multiplied against up to eight rows of x at a time, transposed beforehand to
 // (K, 8) so that the eight values of one k share a cache line: per k, one load of W, eight broadcasts of x and eight
-// FMAs into eight accumulators of eight outputs each, no horizontal sums. On this repository's 2-core test VM this
-// streams W 1.2-1.6x faster than a kernel on the (N, K) layout that tiles three rows of W against four of x. The
-// panels are cut into chunks that the calling thread and XLA's intra-op thread pool share (parallel.h). Where the
-// library is built for AVX-512 (cpu_kernels.py does so on CPUs that have it), four panels of float32 weights are
-// taken at once, as two 16-lane vectors: a quarter of the broadcasts per panel and half the instructions, which at
-// eight rows, where the panel kernel is bound by arithmetic, read W 1.1-1.3x faster on the 2-core AMD EPYC (Zen 4)
-// test VM.
+// FMAs into eight accumulators of eight outputs each, no horizontal sums. This streams W 1.2-1.6x faster than a
+// kernel on the (N, K) layout that tiles three rows of W against four of x. The panels are cut into chunks that the
+// calling thread and XLA's intra-op thread pool share (parallel.h). Where the library is built for AVX-512 (build.py
+// does so on CPUs that have it), four panels of float32 weights are taken at once, as two 16-lane vectors: a quarter
+// of the broadcasts per panel and half the instructions, which at eight rows, where the panel kernel is bound by
+// arithmetic, read W 1.1-1.3x faster (AMD Zen 4).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -50,7 +49,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int LANES = 8;                // outputs per panel, and rows of x per group: one AVX2 vector
-constexpr int64_t MAX_ROWS = 16;          // rows of x (cpu_kernels.MAX_ROWS)
+constexpr int64_t MAX_ROWS = 16;          // rows of x (packing.MAX_ROWS)
 constexpr int64_t K_BLOCK = 256;          // 8 KB of a panel: L1-resident while a second group of rows reuses it
 constexpr int STREAMS = 4;                // row ranges a thread reads at once in MatVec (4 and 8 measured best)
 constexpr int64_t MIN_TILED_ROWS = 4;     // rows of one expert from which ExpertMatvec tiles them in registers
@@ -476,7 +475,7 @@ ffi::Error ExpertMatvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
 
 // Widen: bfloat16 w as float32 (exactly), for XLA's products of many rows (prefill) on bfloat16 weights. `after` is
 // not read: it orders the conversion after the activations it multiplies, so that one converted weight at a time is
-// alive (XLA converts all of a step's weights at its start otherwise; cpu_kernels.cast_at_use).
+// alive (XLA converts all of a step's weights at its start otherwise; backend.linear).
 ffi::Error Widen(ffi::ThreadPool pool, ffi::AnyBuffer /*after*/, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   if (w.element_type() != ffi::DataType::BF16 || y->element_count() != w.element_count()) {
     return ffi::Error::InvalidArgument("widen: expected bfloat16 w and a float32 result of its shape");
@@ -529,7 +528,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(granite_take_rows, TakeRows,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Whether this build takes the AVX-512 path of the panel kernel (for cpu_kernels.describe and its test).
+// Whether this build takes the AVX-512 path of the panel kernel (for build.panels_use_avx512).
 extern "C" int granite_panels_avx512() {
 #ifdef __AVX512F__
   return 1;

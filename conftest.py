@@ -1,5 +1,6 @@
-"""Shared fixtures: random tiny GraniteMoeHybrid checkpoints saved by transformers, built once per session; a
-script's `main` called in this process; and the float64 attention oracle of the model and kernel tests."""
+"""Fixtures shared by every test directory (tests/, granite_jax/cpu/tests/): random tiny GraniteMoeHybrid checkpoints
+saved by transformers, built once per session; a command's or script's `main` called in this process; a compile-only
+H200 for the deviceless tests."""
 
 from __future__ import annotations
 
@@ -9,14 +10,22 @@ import json
 import os
 
 import jax
-import numpy as np
 import pytest
 
-jax.config.update("jax_default_matmul_precision", "highest")
-# Tests check numerics, not speed: skipping most XLA optimisation passes halves compile time, which dominates here.
-jax.config.update("jax_disable_most_optimizations", True)
+# Compilation dominates the suite's time. Tests check numerics, not speed: skipping most XLA optimisation passes
+# halves it; and many tests (and both xdist workers, and the commands run as processes, which inherit the environment)
+# compile the same programs, which XLA's persistent cache then compiles once.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".pytest_cache", "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_disable_most_optimizations", True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+)
 
 
 @functools.cache
@@ -81,18 +90,3 @@ def h200_target():
 def tiny_checkpoint(hf_checkpoint) -> str:
     """The default tiny MoE hybrid (granite_jax.testing.TINY_CONFIG)."""
     return hf_checkpoint()
-
-
-def attention_float64(q, k, v, query_slots, pad, scale):
-    """Masked softmax attention in float64 numpy: q (b, T, kv, rep, hd), k/v (b, kv, S, hd); query t of row b sees the
-    slots [pad[b], query_slots[t]]."""
-    q, k, v = (np.asarray(np.asarray(t, np.float32), np.float64) for t in (q, k, v))  # bfloat16 via float32
-    query_slots, pad = np.asarray(query_slots), np.asarray(pad)
-    slots = np.arange(k.shape[2])
-    mask = (slots[None, None, :] <= query_slots[None, :, None]) & (slots[None, None, :] >= pad[:, None, None])
-    scores = np.einsum("btkrd,bksd->bkrts", q, k) * scale
-    scores = np.where(mask[:, None, None], scores, -np.inf)
-    with np.errstate(invalid="ignore"):  # padding queries see no key at all: NaN rows, never compared
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-    return np.einsum("bkrts,bksd->btkrd", probs, v)

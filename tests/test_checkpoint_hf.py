@@ -1,4 +1,5 @@
-"""Checkpoint import: sharded files, dtype casting, and a clear error for every kind of bad input."""
+"""Hugging Face checkpoints in: the name table, sharded files, the dtype policy, and a clear error for every kind of bad
+input."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from granite_jax import cpu_kernels
-from granite_jax.checkpoint import MARKER
+from granite_jax import ops
+from granite_jax.checkpoint import CheckpointError, load_model, stored_dtype
+from granite_jax.checkpoint.dtypes import weight_dtype_name
+from granite_jax.checkpoint.hf import map_name
+from granite_jax.checkpoint.orbax import MARKER
 from granite_jax.config import ConfigError
-from granite_jax.params import CheckpointError, auto_weight_dtype, load_model, map_name, stored_dtype
+from granite_jax.ops import Runtime
 
 
 def copy_checkpoint(src: str, dst) -> str:
@@ -49,23 +53,25 @@ def test_bf16_checkpoint_cast_to_requested_dtype(hf_checkpoint):
     assert load_model(d, dtype=jnp.bfloat16).embed_tokens.embedding[...].dtype == jnp.bfloat16
 
 
-def test_stored_dtype_read_from_the_headers(hf_checkpoint, tiny_checkpoint, tmp_path, monkeypatch):
+def test_stored_dtype_read_from_the_headers(hf_checkpoint, tiny_checkpoint, tmp_path):
     bf16 = hf_checkpoint(dtype="bfloat16", max_shard_size="100KB")  # sharded: every shard's header is read
     assert stored_dtype(bf16) == "bfloat16" and stored_dtype(tiny_checkpoint) == "float32"
-    assert auto_weight_dtype(bf16, "float16") == "float16"
-    for kernels, expected in ((True, "bfloat16"), (False, "float32")):  # bf16 weights only where the kernels run
-        monkeypatch.setattr(cpu_kernels, "available", lambda kernels=kernels: kernels)
-        assert auto_weight_dtype(bf16, "float32") == expected
-    assert auto_weight_dtype(tiny_checkpoint, "float32") == "float32"
     mixed = copy_checkpoint(tiny_checkpoint, tmp_path / "mixed")
     rewrite_tensors(mixed, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.float16)}))
-    assert stored_dtype(mixed) is None and auto_weight_dtype(mixed, "float32") == "float32"
+    assert stored_dtype(mixed) is None
 
 
-def test_auto_weight_dtype_keeps_float32_without_the_cpu_kernels(hf_checkpoint, monkeypatch):
-    # Without the kernels XLA widens bfloat16 weights before its products, possibly all at once (a float32 copy).
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
-    assert auto_weight_dtype(hf_checkpoint(dtype="bfloat16"), "float32") == "float32"
+def test_auto_weight_dtype_narrows_only_bfloat16_under_float32_where_a_backend_widens_it(monkeypatch):
+    # Without a backend that widens bfloat16 weights in registers, XLA widens them before its products, possibly all
+    # at once (a float32 copy): "auto" keeps the weights in the arithmetic's dtype there.
+    for widens, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(ops, "widens_weights", lambda runtime, widens=widens: widens)
+        assert weight_dtype_name("float32", "auto", "bfloat16", Runtime()) == expected
+        assert weight_dtype_name("float16", "auto", "bfloat16", Runtime()) == "float16"
+        assert weight_dtype_name("float32", "auto", "float32", Runtime()) == "float32"
+        assert weight_dtype_name("float32", "auto", None, Runtime()) == "float32"  # mixed dtypes
+        assert weight_dtype_name("float32", None, "bfloat16", Runtime()) == "float32"
+        assert weight_dtype_name("float32", jnp.bfloat16, "float32", Runtime()) == "bfloat16"
 
 
 def test_missing_directory(tmp_path):
@@ -242,7 +248,7 @@ def test_bad_orbax_marker_is_named(tmp_path, content, message):
         load_model(d)
 
 
-@pytest.mark.parametrize("argument", ["dtype", "param_dtype"])
+@pytest.mark.parametrize("argument", ["dtype", "weight_dtype"])
 @pytest.mark.parametrize("value", ["bf16", "float33", 5, jnp.int32, jnp.int8, np.float64, True])
 def test_unsupported_dtype_is_named_with_the_accepted_ones(tiny_checkpoint, argument, value):
     message = rf"{argument} must be one of float32, bfloat16, float16, got {re.escape(repr(value))}"
@@ -252,5 +258,5 @@ def test_unsupported_dtype_is_named_with_the_accepted_ones(tiny_checkpoint, argu
 
 @pytest.mark.parametrize("value", ["bfloat16", jnp.bfloat16, np.dtype(jnp.bfloat16), jnp.dtype("bfloat16")])
 def test_dtype_given_by_name_or_object_loads(tiny_checkpoint, value):
-    model = load_model(tiny_checkpoint, dtype=jnp.float32, param_dtype=value)
+    model = load_model(tiny_checkpoint, dtype=jnp.float32, weight_dtype=value)
     assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
