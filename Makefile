@@ -31,7 +31,7 @@ $(AOT)/.installed: $(VENV)/.installed
 # Then the `aot` tests, with the plugin, on the CPU platform.
 test: lint $(AOT)/.installed
 	$(BIN)/python -m pytest -q -n 2 -m "not aot" --durations=30
-	GRANITE_JAX_REQUIRE_AOT=1 JAX_PLATFORMS=cpu PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -m aot
+	GRANITE_JAX_REQUIRE_AOT=1 JAX_PLATFORMS=cpu JAX_ENABLE_COMPILATION_CACHE=false PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -n 2 -m aot
 
 demo: install
 	$(BIN)/python -m granite_jax.testing out/tiny-random

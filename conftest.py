@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import json
 import os
+import sys
 
 import jax
 import pytest
@@ -16,6 +17,9 @@ import pytest
 # halves it; and many tests (and both xdist workers, and the commands run as processes, which inherit the environment)
 # compile the same programs, which XLA's persistent cache then compiles once.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+if jax.__version__.startswith("0.10.") and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    # XLA:CPU's older loop emitters compile ~40% faster; the flag is known to this jaxlib (an unknown one is fatal).
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".pytest_cache", "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,6 +37,7 @@ def load_script(path: str):
     """A script (benchmarks/*.py: not modules of a package) imported once per test process."""
     spec = importlib.util.spec_from_file_location("script_" + os.path.splitext(os.path.basename(path))[0], path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 

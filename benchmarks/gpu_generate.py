@@ -4,13 +4,14 @@
 
 Writes a random hybrid MoE checkpoint (`granite_jax.testing.make_checkpoint`, large initial weights so that greedy
 continuations vary; Mamba heads of 64 x state 128 as in the released models, chunk 64) into a temporary directory, then
-generates greedily for a left-padded batch of a short and a long prompt with `ssd_impl="xla"` and `"pallas"`, in
-float32 and bfloat16, through `granite_jax.generate.Generator` (prefill kernels on the prompt, the decode kernel on
-every new token). Prints, per dtype and prompt, how many leading tokens agree, and the tokens/s of each run.
+generates greedily for a left-padded batch of a short and a long prompt with `Runtime(ssd="xla")` and
+`Runtime(ssd="pallas")`, in float32 and bfloat16, through `granite_jax.generation.Generator` (prefill kernels on the
+prompt, the decode kernel on every new token). Prints, per dtype and prompt, how many leading tokens agree, and the
+tokens/s of each run.
 
 Exit status: 0 when the float32 runs agree on every token (bfloat16 rounding differs between the two paths, so its
 agreement is reported, not required); 1 otherwise; 2 without a GPU (unless --smoke). `--smoke` runs the same at tiny
-sizes on CPU with the kernels interpreted, to check the script itself.
+sizes (two layers) on CPU with the kernels interpreted, to check the script itself.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINT = dict(
     initializer_range=1.0, hidden_size=256, mamba_n_heads=8, mamba_d_head=64, mamba_d_state=128, mamba_chunk_size=64
 )
-SMOKE_CHECKPOINT = dict(initializer_range=1.0)  # granite_jax.testing.TINY_CONFIG otherwise (chunk 16)
+# granite_jax.testing.TINY_CONFIG otherwise (chunk 16), two of its layers: one Mamba (the SSD compared), one attention
+SMOKE_CHECKPOINT = dict(initializer_range=1.0, num_hidden_layers=2, layer_types=["mamba", "attention"])
 SENTENCE = "The hybrid design mixes Mamba-2 state space layers with attention."
 IMPLS = ("xla", "pallas")
 
@@ -51,9 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_once(loaded, impl: str, prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
     """Generate with `loaded`'s weights (a Generator: read from disk once per dtype) through the SSD `impl`."""
     from granite_jax.compare import greedy
-    from granite_jax.generate import Generator
+    from granite_jax.generation import Generator
 
-    generator = Generator(model=loaded.model, tokenizer=loaded.tokenizer, ssd_impl=impl)
+    runtime = loaded.model.runtime.replace(ssd=impl)
+    generator = Generator(model=loaded.model, tokenizer=loaded.tokenizer, runtime=runtime)
     results = generator.generate(prompts, greedy(max_new_tokens))
     timing = results[0].timing
     return dict(
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import pallas_kernels
     from granite_jax.compare import leading_agreement
-    from granite_jax.generate import Generator
+    from granite_jax.generation import Generator
     from granite_jax.testing import make_checkpoint
 
     device = jax.devices()[0]

@@ -254,24 +254,26 @@ def rewritten_naive(chunk: int) -> Callable | None:
 def check_kernels(d: Dims, dtype, tolerance: float) -> list[dict]:
     """Pallas vs the XLA path on this device: prefill (normal and fast decay, with an initial state) and decode."""
     import pallas_kernels
+    from granite_jax import ops
+    from granite_jax.ops import Runtime
     from granite_jax.ssd import ssd_chunked, ssd_step
 
     print(f"check: pallas vs xla at L={d.L}, {jnp.dtype(dtype).name}, tolerance {tolerance:g} (max-abs / max)")
     results = []
+    reference = jax.jit(functools.partial(ssd_chunked, chunk_size=d.chunk))  # HIGHEST-precision einsums
+    prefill = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk))  # one compile for both cases
     for fast in (False, True):
         x, dt, A, B, C, D = ssd_inputs(d, dtype, seed=1, fast_decay=fast)
         s0 = jnp.asarray(np.random.default_rng(2).standard_normal((d.b, d.h, d.p, d.n), np.float32))
-        reference = jax.jit(functools.partial(ssd_chunked, chunk_size=d.chunk))  # HIGHEST-precision einsums
         y_ref, s_ref = reference(x, dt, A, B, C, D, initial_state=s0)
-        y, s = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=d.chunk))(
-            x, dt, A, B, C, D, initial_state=s0
-        )
+        y, s = prefill(x, dt, A, B, C, D, initial_state=s0)
         errs = dict(y=rel_err(y, y_ref), state=rel_err(s, s_ref))
         results.append(dict(kind="check", impl="prefill", fast_decay=fast, **errs, ok=max(errs.values()) < tolerance))
         print(f"  prefill fast_decay={fast}: y {errs['y']:.2e}, state {errs['state']:.2e}")
     x, dt, A, B, C, D = ssd_inputs(dataclasses.replace(d, L=1), dtype, seed=3)
     state = jnp.asarray(np.random.default_rng(4).standard_normal((d.b, d.h, d.p, d.n), np.float32))
-    y_ref, s_ref = jax.jit(ssd_step)(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    xla_step = jax.jit(ops.under(Runtime(kernels=False), ssd_step))  # XLA's, not a platform kernel (smoke run's CPU)
+    y_ref, s_ref = xla_step(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
     y, s = jax.jit(pallas_kernels.ssd_decode)(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
     errs = dict(y=rel_err(y, y_ref), state=rel_err(s, s_ref))
     results.append(dict(kind="check", impl="decode", **errs, ok=max(errs.values()) < 1e-4))
@@ -362,39 +364,43 @@ def bench_sweep(d: Dims, dtype, ceilings: dict, min_seconds: float) -> list[dict
     return results
 
 
-def mamba_config(smoke: bool, impl: str):
+def mamba_config(smoke: bool):
     from granite_jax.config import ModelConfig
 
     if smoke:
         return ModelConfig(
             vocab_size=64, hidden_size=32, layer_types=("mamba",), num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=32, shared_intermediate_size=32, num_local_experts=0, num_experts_per_tok=0,
-            mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, ssd_impl=impl,
+            mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16,
         )  # fmt: skip
     try:
         from granite_jax.presets import released_config
 
-        return released_config("granite-4.0-h-tiny", ssd_impl=impl)
+        return released_config("granite-4.0-h-tiny")
     except ImportError:
         return ModelConfig(
             vocab_size=100352, hidden_size=1536, layer_types=("mamba",), num_attention_heads=12,
             num_key_value_heads=4, head_dim=128, intermediate_size=512, shared_intermediate_size=1024,
             num_local_experts=64, num_experts_per_tok=6, mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128,
-            mamba_chunk_size=256, ssd_impl=impl,
+            mamba_chunk_size=256,
         )  # fmt: skip
 
 
 def layer_fn(cfg, dtype, impl: str) -> tuple[Callable, Any]:
-    """A jitted fn(params, x) -> y running one MambaMixer, and its parameters."""
+    """A jitted fn(params, x) -> y running one MambaMixer with the SSD `impl` ("rewritten": the naive one through
+    `rewriter.rewrite`), and its parameters. Plain JAX besides the SSD: no platform kernels."""
     from flax import nnx
 
     from granite_jax.model import MambaMixer
+    from granite_jax.ops import Runtime, using
 
     mixer = MambaMixer(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(mixer)
+    runtime = Runtime(ssd="naive" if impl == "rewritten" else impl, kernels=False)
 
     def run(params, x):
-        out = nnx.merge(graphdef, params)(x)
+        with using(runtime):
+            out = nnx.merge(graphdef, params)(x)
         return out[0] if isinstance(out, tuple) else out
 
     if impl == "rewritten":
@@ -416,7 +422,7 @@ def bench_layer(
             results.append(skipped("layer", impl, L=d.L))
             continue
         try:
-            cfg = mamba_config(smoke, "naive" if impl == "rewritten" else impl)
+            cfg = mamba_config(smoke)
             fn, params = layer_fn(cfg, dtype, impl)
             x = jnp.asarray(np.random.default_rng(5).standard_normal((d.b, d.L, cfg.hidden_size), np.float32), dtype)
             timing = time_fn(fn, params, x, min_seconds=min_seconds)
@@ -460,6 +466,8 @@ def time_decode(step: Callable, state_shape: tuple, args: tuple, min_seconds: fl
 
 def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceilings: dict) -> list[dict]:
     import pallas_kernels
+    from granite_jax import ops
+    from granite_jax.ops import Runtime
     from granite_jax.ssd import ssd_step
 
     print("decode: one-token state update")
@@ -469,12 +477,16 @@ def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceiling
         args = (x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
         nbytes = 2 * b * d.h * d.p * d.n * 4  # the float32 state read and written
         flops = 4 * b * d.h * d.p * d.n
-        for name, step in (("xla", ssd_step), ("pallas", pallas_kernels.ssd_decode)):
+        steps = {
+            "xla": jax.jit(ops.under(Runtime(kernels=False), ssd_step), donate_argnums=0),  # XLA's, no platform kernel
+            "pallas": jax.jit(pallas_kernels.ssd_decode, donate_argnums=0),
+        }
+        for name, step in steps.items():
             if out_of_time():
                 results.append(skipped("decode", name, batch=b))
                 continue
             try:
-                timing = time_decode(jax.jit(step, donate_argnums=0), (b, d.h, d.p, d.n), args, min_seconds)
+                timing = time_decode(step, (b, d.h, d.p, d.n), args, min_seconds)
                 results.append(record("decode", name, timing, flops, nbytes, ceilings, batch=b))
             except Exception as e:  # noqa: BLE001
                 results.append(failure("decode", name, e, batch=b))
@@ -520,7 +532,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=implementations,
         default="naive",
         help=f"comma-separated implementations to leave out ({', '.join(IMPLS)}; '' for none).\n"
-        "naive by default: XLA's GPU compilation of it ran past 5 minutes at L=2048 on an H200 machine (2026-11-30)",
+        "naive by default: XLA's GPU compilation of it takes more than 5 minutes at L=2048 (H200)",
     )
     p.add_argument("--budget-seconds", type=float, default=540, help="skip what is left after this many seconds")
     p.add_argument("--no-layer", action="store_true", help="skip the whole-Mamba-layer timings")
@@ -598,7 +610,8 @@ def plot(summary: dict, path: str) -> None:
         ax.set(yscale="log", xlabel="sequence length L", ylabel="microseconds per call", title=name)
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if rows:  # (--no-layer: an empty panel, without a legend)
+            ax.legend(fontsize=8)
     env = summary["environment"]
     title = f"{env['device_kind']}, {env['date']}, {summary['dtype']} inputs, batch {summary['batch']}"
     fig.suptitle(title, fontsize=10)

@@ -4,13 +4,13 @@
     PYTHONPATH=.aot python benchmarks/gpu_step_kernels.py --ssd-impl xla --json out.json
 
 A decode step of a few milliseconds on a GPU is bound by its launches, not by the bytes it reads (h-tiny reads 2.9 GB
-a token, 0.6 ms at an H200's 4.8 TB/s; the step took 8.6 ms, docs/experiments.md). This compiles the Generator's own
-steps (`granite_jax.generate`: the decode step with its cache donated, and the prefill of --prompt-len tokens) for the
-released model --shape with abstract weights, through XLA's GPU compiler, and counts the thunks of each by kind
-(`pallas_kernels.aot.thunk_counts`): kernel launches (XLA's fusions and the Pallas calls), device copies, loops and
-conditionals. Loop bodies and both branches of a conditional count once, so this is the program's size, an upper
-bound on one greedy step's launches outside loops. It also compiles one- and two-layer models of the same shape to
-split the decode step's kernels into one Mamba layer, one attention layer and the rest (embedding, head, sampler).
+a token, 0.6 ms at an H200's 4.8 TB/s, a fraction of its step: docs/experiments.md). This compiles the Generator's own
+steps (`granite_jax.generation.steps`: the decode step with its cache donated, and the prefill of --prompt-len
+tokens) for the released model --shape with abstract weights, through XLA's GPU compiler, and counts the thunks of
+each by kind (`pallas_kernels.aot.thunk_counts`): kernel launches (XLA's fusions and the Pallas calls), device copies,
+loops and conditionals. Loop bodies and both branches of a conditional count once, so this is the program's size, an
+upper bound on one greedy step's launches outside loops. It also compiles one- and two-layer models of the same shape
+to split the decode step's kernels into one Mamba layer, one attention layer and the rest (embedding, head, sampler).
 No GPU is needed, but the CUDA PJRT plugin is (`make test` installs it into .aot/, hence PYTHONPATH=.aot;
 pallas_kernels/aot.py).
 """
@@ -55,15 +55,17 @@ def step_counts(cfg, args: argparse.Namespace, steps: tuple[str, ...] = ("decode
     import jax.numpy as jnp
 
     import pallas_kernels
-    from granite_jax.generate import abstract_steps
+    from granite_jax.generation.steps import abstract_steps
+    from granite_jax.ops import Runtime
     from pallas_kernels import aot
 
     dtype, weight_dtype = jnp.dtype(args.dtype), jnp.dtype(args.weight_dtype or args.dtype)
     shapes = dict(batch=args.batch, prompt_len=args.prompt_len, cache_len=args.cache_len)
-    fns = abstract_steps(cfg, **shapes, dtype=dtype, weight_dtype=weight_dtype)
-    with pallas_kernels.cuda_lowering():
+    runtime = Runtime(ssd=args.ssd_impl)
+    fns = abstract_steps(cfg, **shapes, dtype=dtype, weight_dtype=weight_dtype, runtime=runtime)
+    with pallas_kernels.cuda_lowering():  # args: (weights, prepared, cache, ...), the cache donated
         return {
-            name: aot.thunk_counts(fns[name][0], *fns[name][1], donate_argnums=(1,), gpu=args.gpu) for name in steps
+            name: aot.thunk_counts(fns[name][0], *fns[name][1], donate_argnums=(2,), gpu=args.gpu) for name in steps
         }
 
 
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_step_kernels.py: error: {e}; run with PYTHONPATH=.aot after `make test` has installed it",
               file=sys.stderr)  # fmt: skip
         return 2
-    cfg = released_config(args.shape, ssd_impl=args.ssd_impl)
+    cfg = released_config(args.shape)
     if args.layers is not None:
         cfg = cfg.replace(layer_types=cfg.layer_types[: args.layers])
     print(f"compiling {args.shape} ({len(cfg.layer_types)} layers) for {args.gpu}...", file=sys.stderr)

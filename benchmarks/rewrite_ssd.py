@@ -3,7 +3,8 @@ at granite-4.0-h-tiny Mamba dims (48 heads x 64, state 128, one group, chunk 256
 
 For each length: XLA's compiled temporary memory (`memory_analysis().temp_size_in_bytes`), compile time, and
 wall time per call (min and median of interleaved repetitions, so background load hits all three alike), and XLA's
-own FLOP count of the compiled program (`cost_analysis()`), which no background load disturbs.
+own FLOP count of the compiled program (`cost_analysis()`), which no background load disturbs. The measurement is
+`granite_jax.experiments.rewrite.bench_length` (the rewrite experiment's); this script adds the table and the JSON.
 
     python benchmarks/rewrite_ssd.py --lengths 512 2048 8192 --json benchmarks/results/rewrite-ssd-$(date +%F).json
 """
@@ -11,25 +12,15 @@ own FLOP count of the compiled program (`cost_analysis()`), which no background 
 from __future__ import annotations
 
 import argparse
-import functools
+import dataclasses
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from tqdm import tqdm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
 
-import rewriter
-from granite_jax.cli import ArgumentParser, output_file_problem, positive_int
-from granite_jax.generate import available_memory
-from granite_jax.ssd import ssd_chunked, ssd_chunked_naive
-
-IMPLS = ("naive", "rewritten", "xla")
+from granite_jax.cli import ArgumentParser, output_file_problem, positive_int  # noqa: E402
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -67,87 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def inputs(args: argparse.Namespace, length: int) -> tuple[jax.Array, ...]:
-    rng = np.random.default_rng(length)
-    b, h, p, g, n = args.batch, args.heads, args.head_dim, args.groups, args.state
-    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    dt = jnp.asarray(rng.uniform(0.001, 0.1, (b, length, h)), jnp.float32)
-    A = -jnp.asarray(rng.uniform(1.0, 16.0, (h,)), jnp.float32)
-    return f32(b, length, h, p), dt, A, f32(b, length, g, n), f32(b, length, g, n), f32(h)
-
-
-def functions(chunk: int) -> dict[str, jax.stages.Wrapped]:
-    naive = functools.partial(ssd_chunked_naive, chunk_size=chunk)
-    return {
-        "naive": jax.jit(naive),
-        "rewritten": jax.jit(rewriter.rewrite(naive)),
-        "xla": jax.jit(functools.partial(ssd_chunked, chunk_size=chunk)),
-    }
-
-
-def timed(compiled, args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    return time.perf_counter() - start
-
-
-def bench_length(args: argparse.Namespace, length: int, fns: dict, naive_per_token: float | None, bar) -> dict:
-    """Compile all three, check the rewritten output, then time them interleaved."""
-    xs = inputs(args, length)
-    result = {"L": length, "impls": {}}
-    compiled = {}
-    for name in IMPLS:
-        record = result["impls"][name] = {}
-        if name == "naive" and naive_per_token is not None:
-            predicted = naive_per_token * length
-            if predicted > args.max_naive_seconds:
-                record["skipped"] = f"predicted {predicted:.0f} s per call (linear in L) > --max-naive-seconds"
-                continue
-        start = time.perf_counter()
-        compiled[name] = fns[name].lower(*xs).compile()
-        record["compile_s"] = time.perf_counter() - start
-        record["temp_bytes"] = int(compiled[name].memory_analysis().temp_size_in_bytes)
-        record["xla_flops"] = float((compiled[name].cost_analysis() or {}).get("flops", float("nan")))
-        if record["temp_bytes"] > 0.8 * (available_memory() or 1 << 62):
-            record["skipped"] = f"needs {record['temp_bytes'] / 2**30:.1f} GiB temporaries, more than is free"
-            del compiled[name]
-    outs = {name: jax.block_until_ready(c(*xs)) for name, c in compiled.items()}  # warm-up, and correctness
-    for name, out in outs.items():
-        scale = float(jnp.abs(outs["xla"][0]).max())
-        result["impls"][name]["max_abs_diff_vs_xla"] = float(jnp.abs(out[0] - outs["xla"][0]).max())
-        result["impls"][name]["rel_diff_vs_xla"] = result["impls"][name]["max_abs_diff_vs_xla"] / scale
-    times = {name: [] for name in compiled}
-    for rep in range(args.reps):
-        for name, c in compiled.items():
-            if name == "naive" and rep >= args.naive_reps:
-                continue
-            times[name].append(timed(c, xs))
-            bar.update(1)
-    for name, ts in times.items():
-        result["impls"][name] |= {"min_s": min(ts), "median_s": statistics.median(ts), "times_s": ts}
-    report = rewriter.analyze(fns["naive"], *xs)
-    result["sites"] = [f"{s.status}: {s.spec} ({s.reason or 'dot_general'})" for s in report.sites]
-    return result
-
-
-def ratios(result: dict) -> dict:
-    impls = result["impls"]
-    out = {}
-    if "min_s" in impls["naive"]:
-        out["naive_over_rewritten"] = impls["naive"]["min_s"] / impls["rewritten"]["min_s"]
-    out["rewritten_over_xla"] = impls["rewritten"]["min_s"] / impls["xla"]["min_s"]
-    out["rewritten_over_xla_median"] = impls["rewritten"]["median_s"] / impls["xla"]["median_s"]
-    # calls of the two alternate, so each pair saw about the same background load
-    pairs = [r / x for r, x in zip(impls["rewritten"]["times_s"], impls["xla"]["times_s"])]
-    out["rewritten_over_xla_paired_median"] = statistics.median(pairs)
-    return out
-
-
 def table(results: list[dict]) -> str:
+    from granite_jax.experiments.rewrite import VARIANTS
+
     header = f"{'L':>6}  {'impl':<10}{'min s':>10}{'median s':>10}{'temp MiB':>10}{'GFLOP':>9}{'compile s':>10}  note"
     lines = [header, "-" * len(header)]
     for r in results:
-        for name in IMPLS:
+        for name in VARIANTS:
             rec = r["impls"][name]
             if "skipped" in rec:
                 dashes = f"{'-':>10}{'-':>10}{'-':>10}{'-':>9}{'-':>10}"
@@ -168,6 +85,8 @@ def table(results: list[dict]) -> str:
 
 
 def environment() -> dict:
+    import jax
+
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
         "jax": jax.__version__,
@@ -181,17 +100,15 @@ def environment() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    fns = functions(args.chunk)
-    results, naive_per_token = [], None
-    steps = sum(args.reps * 2 + min(args.reps, args.naive_reps) for _ in args.lengths)
-    with tqdm(total=steps, desc="rewrite_ssd", unit="call", file=sys.stderr) as bar:
-        for length in sorted(args.lengths):
-            bar.set_postfix(L=length)
-            result = bench_length(args, length, fns, naive_per_token, bar)
-            result["ratios"] = ratios(result)
-            if "min_s" in result["impls"]["naive"]:
-                naive_per_token = result["impls"]["naive"]["min_s"] / length
-            results.append(result)
+    import jax
+    from tqdm import tqdm
+
+    from granite_jax.experiments import rewrite
+
+    fields = {f.name for f in dataclasses.fields(rewrite.Setup)}
+    setup = rewrite.Setup(**{k: v for k, v in vars(args).items() if k in fields})
+    with tqdm(total=rewrite.calls(setup, args.lengths), desc="rewrite_ssd", unit="call", file=sys.stderr) as bar:
+        results = rewrite.measure_lengths(setup, args.lengths, bar)
     dims = f"b={args.batch}, h={args.heads}, p={args.head_dim}, n={args.state}, g={args.groups}, chunk={args.chunk}"
     print(f"SSD at {dims}, float32, {jax.devices()[0]}")
     print(table(results))

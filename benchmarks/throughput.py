@@ -6,7 +6,7 @@
 Random weights of a released shape (or --checkpoint), loaded into granite-jax and transformers as `compare` does;
 then, in one run: the memory bandwidth (probed before and after the speed runs, best of both) and batch-1 decode
 floor (`granite_jax.experiments.throughput.memory_bandwidth`), and `granite_jax.compare.speed` at every batch size:
-granite-jax through `Generator.measure` (greedy, EOS ignored, compilation excluded) and transformers' `generate`
+granite-jax through `compare.measure` (greedy, EOS ignored, compilation excluded) and transformers' `generate`
 with per-token timestamps. The same measurement as `python -m granite_jax.compare` and the throughput experiment;
 this script adds the table and the JSON. Prefill tokens/s = batch * prompt_len / time to first token; decode
 tokens/s = batch * (new_tokens - 1) / time for the remaining tokens. The floor is parameter bytes / bandwidth: one
@@ -148,14 +148,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
 
-    from granite_jax.config import ConfigError
-    from granite_jax.experiments.common import ExperimentError, ModelSpec, environment
-    from granite_jax.params import CheckpointError
+    from granite_jax.errors import InputError
+    from granite_jax.experiments.common import ModelSpec, environment
 
     spec = ModelSpec(checkpoint=args.checkpoint, name=args.shape, num_layers=args.layers)
     try:
         rows, floor = measure(spec, args)
-    except (ExperimentError, CheckpointError, ConfigError) as e:
+    except InputError as e:
         print(f"throughput.py: error: {e}", file=sys.stderr)
         return 2
     env = environment()
@@ -167,7 +166,7 @@ def main(argv=None) -> int:
         f"memory bandwidth: {max(bandwidth.values()):.2f} GB/s (best of "
         + ", ".join(f"{k} {v:.2f}" for k, v in bandwidth.items())
         + f"); batch-1 decode floor (bytes read per token / bandwidth): {floor_tok_s:.2f} tok/s\n"
-        f"CPU kernels: {env['cpu_kernels']}"
+        f"kernels: {env['kernels']}"
     )
     if "paired" in floor:
         p = floor["paired"]

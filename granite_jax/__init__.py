@@ -6,10 +6,10 @@ logits = model(tokens)                            # (b, T) int32 -> (b, T, vocab
 Generator("path/to/checkpoint").generate("Hello", SamplingConfig(max_new_tokens=32))
 """
 
+from granite_jax.checkpoint import CheckpointError, load_model, save_checkpoint
 from granite_jax.config import ConfigError, ModelConfig
 from granite_jax.model import Cache, Granite, abstract_model, count_params, with_dtype, with_runtime
 from granite_jax.ops import Runtime
-from granite_jax.checkpoint import CheckpointError, load_model, save_checkpoint
 from granite_jax.presets import RELEASED, released_config
 from granite_jax.sampling import GenerationError, SamplingConfig
 

@@ -15,8 +15,8 @@ How each number is measured:
   at a time; a row agrees up to its first differing token.
 - Speed: greedy generation of exactly `new_tokens` tokens from `batch` random prompts of `prompt_len` tokens, best of
   `repeats` runs after a warm-up. Prefill: prompt in, first token on the host. Decode: the remaining tokens of every
-  row over the remaining time. granite-jax times itself (`Generator.measure`, compilation excluded); transformers
-  is timed by a streamer that stamps each token as `generate` emits it.
+  row over the remaining time. granite-jax times itself (`measure`: `Generator.generate`'s timing, compilation
+  excluded); transformers is timed by a streamer that stamps each token as `generate` emits it.
 - Devices: transformers runs where `--torch-device` says (auto: on the GPU when granite-jax runs on one).
 """
 
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from granite_jax import cli
-from granite_jax.checkpoint import is_orbax_checkpoint
-from granite_jax.config import ConfigError
+from granite_jax.checkpoint import export_safetensors, is_orbax_checkpoint, load_tokenizer, stored_dtype
+from granite_jax.errors import InputError
 from granite_jax.experiments.common import (
     ExperimentError,
     ModelSpec,
@@ -55,10 +55,10 @@ from granite_jax.experiments.common import (
     torch_matmul_precision,
     write_json,
 )
+from granite_jax.generation import Generator, SamplingConfig, Timing
 from granite_jax.model import Granite, with_dtype
 from granite_jax.model import weight_dtype as model_weight_dtype
-from granite_jax.params import CheckpointError, stored_dtype
-from granite_jax.sampling import GenerationError
+from granite_jax.ops import SSD_IMPLS
 
 PROMPTS = (
     "The Granite 4.0 models mix Mamba-2 layers with a few attention layers, so that",
@@ -104,8 +104,6 @@ def load_pair(
     quiet_transformers()
     model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
     hf = hf_model(model, spec.checkpoint, dtype).to(torch_device)
-    from granite_jax.generate import load_tokenizer
-
     return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint) if spec.checkpoint else None)
 
 
@@ -144,8 +142,6 @@ def hf_model(model: Granite, checkpoint: str | None, dtype: str):
     of a float32 checkpoint: transformers gets the rounded values)."""
     import torch
     from transformers import GraniteMoeHybridForCausalLM
-
-    from granite_jax.convert import export_safetensors
 
     torch_dtype = getattr(torch, dtype)
     weights = model_weight_dtype(model)
@@ -276,16 +272,14 @@ def agreement_prompts(pair: Pair, n: int, length: int, seed: int) -> list[list[i
     return random_tokens(pair.jax.cfg.vocab_size, n, length, seed).tolist()
 
 
-def greedy(new_tokens: int):
-    from granite_jax.generate import SamplingConfig
-
+def greedy(new_tokens: int) -> SamplingConfig:
+    """Greedy sampling of exactly `new_tokens` tokens: no stop token ends a row early."""
     return SamplingConfig(max_new_tokens=new_tokens, stop_token_ids=())
 
 
-def make_generator(model: Granite):
-    from granite_jax.generate import Generator
-
-    return Generator(model=model, dtype=str(jnp.dtype(model.dtype)), ssd_impl=model.cfg.ssd_impl)
+def make_generator(model: Granite) -> Generator:
+    """granite-jax's `Generator` over `model` as it is (its dtype, weights and runtime)."""
+    return Generator(model=model, dtype=str(jnp.dtype(model.dtype)))
 
 
 def hf_generate(hf, tokens: np.ndarray, new_tokens: int, streamer=None) -> np.ndarray:
@@ -312,10 +306,18 @@ def torch_ids(hf: Any, tokens: np.ndarray) -> Any:
 # ---------------------------------------------------------------------------------------------- speed
 
 
+def measure(generator: Generator, batch_size: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Timing:
+    """The timing of greedy generation of exactly `new_tokens` tokens for `batch_size` random prompts of `prompt_len`
+    tokens (drawn under `seed`): compilation excluded, and reported apart."""
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(0, generator.cfg.vocab_size, (batch_size, prompt_len)).tolist()
+    return generator.generate(prompts, greedy(new_tokens))[0].timing
+
+
 def jax_speed(generator, batch: int, prompt_len: int, new_tokens: int, repeats: int = 2) -> dict[str, float]:
     """granite-jax generation timing (compilation excluded): best of `repeats` after one warm-up."""
-    warm = generator.measure(batch, prompt_len, new_tokens)
-    timings = [generator.measure(batch, prompt_len, new_tokens, seed=i + 1) for i in range(repeats)]
+    warm = measure(generator, batch, prompt_len, new_tokens)
+    timings = [measure(generator, batch, prompt_len, new_tokens, seed=i + 1) for i in range(repeats)]
     return _best(
         [(t.prefill_s, t.decode_s, t.prompt_tokens, t.decode_tokens) for t in timings], compile_s=warm.compile_s
     )
@@ -573,7 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
         "weights as stored, half the memory; transformers still runs in --dtype, on the same values (no wider than "
         "--dtype)",
     )
-    p.add_argument("--ssd-impl", default="xla", choices=("xla", "naive", "pallas"), help="granite-jax SSD (xla)")
+    p.add_argument("--ssd-impl", default="xla", choices=SSD_IMPLS, help="granite-jax's SSD (`Runtime(ssd=...)`, xla)")
     p.add_argument(
         "--batch-sizes",
         type=cli.positive_ints,
@@ -659,7 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     torch_device=torch_device,
                 )
                 results = run_compare(pair, options, log)
-    except (ExperimentError, CheckpointError, ConfigError, GenerationError) as e:
+    except InputError as e:  # ExperimentError, ConfigError, CheckpointError, GenerationError
         print(f"granite_jax.compare: error: {e}", file=sys.stderr)
         return 2
     results["command"] = "python -m granite_jax.compare " + " ".join(sys.argv[1:] if argv is None else argv)

@@ -26,7 +26,7 @@ from absl import app
 from ml_collections import config_flags
 
 from granite_jax.cli import fail, flags_parser
-from granite_jax.config import ConfigError
+from granite_jax.errors import InputError
 from granite_jax.experiments.common import (
     ExperimentError,
     Result,
@@ -41,7 +41,6 @@ from granite_jax.experiments.common import (
     torch_matmul_precision,
     write_json,
 )
-from granite_jax.params import CheckpointError
 
 EXPERIMENTS = {
     "rewrite": "granite_jax.experiments.rewrite",
@@ -160,15 +159,18 @@ def main(argv: list[str]) -> None:
         _fail("--config is required, e.g. --config configs/experiments/scaling.py")
     try:
         out = run(config)
-    except (ExperimentError, CheckpointError, ConfigError) as e:
+    except InputError as e:  # ExperimentError, ConfigError, CheckpointError, GenerationError
         _fail(str(e))
     with open(os.path.join(out, "results.md")) as f:
         print(f.read())
     print(f"wrote {out}/results.json, results.md and plots")
 
 
+parse_flags = flags_parser(PROG, _CONFIG, REQUIRED, "an experiment")  # bad flags and configs: one line, exit 2
+
+
 def cli() -> None:
-    app.run(main, flags_parser=flags_parser(PROG, _CONFIG, REQUIRED, "an experiment"))
+    app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ from typing import Any
 
 import jax
 
+from granite_jax.errors import InputError
+
 log = logging.getLogger(__name__)
 SSD_IMPLS = ("xla", "naive", "pallas")
 BACKENDS = {"naive": "granite_jax.ssd", "pallas": "granite_jax.pallas", "cpu": "granite_jax.cpu"}  # name -> module
@@ -52,11 +54,11 @@ class Runtime:
 
     def __post_init__(self):
         if self.ssd not in SSD_IMPLS:
-            raise ValueError(f"ssd: {self.ssd!r} is not one of {', '.join(SSD_IMPLS)}")
+            raise InputError(f"ssd: {self.ssd!r} is not one of {', '.join(SSD_IMPLS)}")
         if not isinstance(self.kernels, bool):
-            raise ValueError(f"kernels: expected True or False, got {self.kernels!r}")
+            raise InputError(f"kernels: expected True or False, got {self.kernels!r}")
         if self.pack_weights not in (None, True, False):
-            raise ValueError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
+            raise InputError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
 
     def replace(self, **changes: Any) -> Runtime:
         return dataclasses.replace(self, **changes)
@@ -124,6 +126,19 @@ def using(runtime: Runtime) -> Iterator[Runtime]:
 
 def current() -> Runtime:
     return _RUNTIME.get() or Runtime()
+
+
+def under(runtime: Runtime, fn: Callable) -> Callable:
+    """`fn` that traces with `runtime`'s choices. Wrap a plain function (not a model, whose own runtime applies) in it
+    before `jax.jit`: jit's cache does not see `using`, so a function traced under one runtime would be reused under
+    another."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with using(runtime):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def _chosen(op: str) -> Callable | None:

@@ -42,19 +42,27 @@ CONFIG_HELP = (
 
 
 def model_config(c: config_dict.ConfigDict):
-    """The preset architecture with the config's Mamba dims, running the naive SSD."""
+    """The preset architecture with the config's Mamba dims."""
     from granite_jax.presets import released_config
 
     try:
-        return released_config(c.model, ssd_impl="naive", **{f: c[f] for f in MAMBA_DIMS})
+        return released_config(c.model, **{f: c[f] for f in MAMBA_DIMS})
     except KeyError as e:
         raise ValueError(f"--config.model: {e.args[0]}") from None
 
 
+def naive_runtime():
+    """The naive SSD (the rewriter's input), and no platform kernels: the report is of plain JAX, whatever runs it."""
+    from granite_jax.ops import Runtime
+
+    return Runtime(ssd="naive", kernels=False)
+
+
 def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
-    """(function, abstract arguments) for the configured target."""
+    """(function, abstract arguments) for the configured target, running the naive SSD in plain JAX."""
     from flax import nnx
 
+    from granite_jax import ops
     from granite_jax.model import Granite, MambaMixer
     from granite_jax.ssd import ssd_chunked_naive
 
@@ -79,10 +87,13 @@ def build(c: config_dict.ConfigDict) -> tuple[Callable, tuple[Any, ...]]:
         graphdef, state = nnx.split(module)
 
         def mamba_layer(state, x):
-            return nnx.merge(graphdef, state)(x)[0]
+            with ops.using(naive_runtime()):
+                return nnx.merge(graphdef, state)(x)[0]
 
         return mamba_layer, (state, sds((b, T, cfg.hidden_size), dtype))
-    module = nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+    module = nnx.eval_shape(
+        lambda: Granite(cfg, dtype=dtype, param_dtype=dtype, runtime=naive_runtime(), rngs=nnx.Rngs(0))
+    )
     graphdef, state = nnx.split(module)
 
     def model(state, tokens):

@@ -1,14 +1,17 @@
 """The benchmark scripts' command lines: every flag documented with its default, and bad input refused at once.
 
 A bad argument must end the script with one line on stderr and exit code 2 before any model is loaded or anything
-timed (a late failure costs minutes, or loses a finished run's results). Only the argument handling runs here: the
-scripts themselves are exercised in test_experiment.py, test_cpu_kernels.py and test_gpu_benchmark.py.
+timed (a late failure costs minutes, or loses a finished run's results). Only the argument handling runs here, in this
+process (`main(argv)`), and one bad argument per script as a process, for its exit status and its one line: the
+scripts themselves are exercised in test_experiment.py, test_gpu_benchmark.py and granite_jax/cpu/tests/.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import runpy
 import subprocess
 import sys
 
@@ -16,13 +19,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optional package)
+    **{name: f"benchmarks/{name}" for name in ("throughput.py", "rewrite_ssd.py", "gpu_ssd.py", "gpu_generate.py")},
+    "gpu_step_kernels.py": "benchmarks/gpu_step_kernels.py",
+    "kernels.py": "granite_jax/cpu/benchmarks/kernels.py",
+    "decode_attention.py": "granite_jax/cpu/benchmarks/decode_attention.py",
+}
 
 FLAGS = {
     "throughput.py": (
         "--shape --layers --checkpoint --prompt-len --new-tokens --batch-sizes --dtype --weight-dtype --repeats "
         "--skip-transformers --floor-pairs --probe-mib --json --plot"
     ),
-    "cpu_kernels.py": "--shape --rows --expert-tokens --contexts --dtype --chain-mib --repeats --parts --json",
+    "kernels.py": "--shape --rows --expert-tokens --contexts --dtype --chain-mib --repeats --parts --json",
     "decode_attention.py": "--shape --layers --weight-dtype --prompt-len --batch --steps --rounds --json",
     "rewrite_ssd.py": (
         "--lengths --batch --heads --head-dim --state --groups --chunk --reps --naive-reps --max-naive-seconds --json"
@@ -48,10 +57,10 @@ BAD = [
     ("throughput.py", ["--layers", "0"], "argument --layers: must be >= 1"),
     ("throughput.py", ["--new-tokens", "1"], "need --new-tokens >= 2"),
     ("throughput.py", ["--json", "{dir}"], "is a directory"),
-    ("cpu_kernels.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
-    ("cpu_kernels.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
-    ("cpu_kernels.py", ["--json", "{dir}"], "is a directory"),
-    ("cpu_kernels.py", ["--contexts", "0"], "argument --contexts: every value must be >= 1"),
+    ("kernels.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
+    ("kernels.py", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("kernels.py", ["--json", "{dir}"], "is a directory"),
+    ("kernels.py", ["--contexts", "0"], "argument --contexts: every value must be >= 1"),
     ("decode_attention.py", ["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     ("decode_attention.py", ["--shape", "nosuch"], "argument --shape: invalid choice: 'nosuch'"),
     ("decode_attention.py", ["--json", "{dir}"], "is a directory"),
@@ -78,29 +87,58 @@ BAD = [
     ("gpu_step_kernels.py", ["--json", "{missing}"], "the directory does not exist"),
 ]
 
+FIRST_BAD = {script: (args, message) for script, args, message in reversed(BAD)}  # each script's first case
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, os.path.join("benchmarks", script), *args]
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+
+def arguments(args: list[str], tmp_path) -> list[str]:
+    return [a.format(missing=tmp_path / "no" / "x.json", dir=tmp_path) for a in args]
+
+
+@functools.cache
+def script_main(script: str):
+    """The script's `main`, its module run once per process (`runpy`: the module is in `sys.modules` while it runs,
+    as its dataclasses need)."""
+    return runpy.run_path(os.path.join(ROOT, PATHS[script]), run_name="script_" + script.removesuffix(".py"))["main"]
+
+
+def in_process(script: str, args: list[str], capsys) -> tuple[int, str, str]:
+    """The script's `main(args)` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        code = script_main(script)(args)
+    except SystemExit as e:  # argparse's errors, and --help
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize(("script", "args", "message"), BAD, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD])
-def test_bad_arguments_end_with_one_line_before_any_work(script, args, message, tmp_path):
-    args = [a.format(missing=tmp_path / "no" / "x.json", dir=tmp_path) for a in args]
-    proc = run(script, *args)
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: "), proc.stderr[-3000:]  # no usage block
-    assert message in lines[0] and "Traceback" not in proc.stderr, lines
-    assert proc.stdout == ""  # nothing measured, no progress
+def test_bad_arguments_end_with_one_line_before_any_work(script, args, message, tmp_path, capsys):
+    code, out, err = in_process(script, arguments(args, tmp_path), capsys)
+    lines = err.splitlines()
+    assert code == 2, err[-3000:]
+    assert len(lines) == 1 and ": error: " in lines[0], err[-3000:]  # no usage block
+    assert message in lines[0] and "Traceback" not in err, lines
+    assert out == ""  # nothing measured, no progress
     assert not (tmp_path / "no").exists()  # and no output directory made
 
 
+@pytest.mark.parametrize("script", sorted(FIRST_BAD))
+def test_a_bad_argument_ends_the_script_with_exit_2(script, tmp_path):
+    args, message = FIRST_BAD[script]
+    command = [sys.executable, PATHS[script], *arguments(args, tmp_path)]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=120)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"{script}: error: ") and message in lines[0], lines  # named after the script
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("script", sorted(FLAGS))
-def test_help_documents_every_flag_and_its_default(script):
-    proc = run(script, "--help")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    options = proc.stdout.split("options:")[1]
+def test_help_documents_every_flag_and_its_default(script, capsys):
+    code, out, err = in_process(script, ["--help"], capsys)
+    assert code == 0, err[-3000:]
+    options = out.split("options:")[1]
     # one entry per flag: its line and its help text's lines, up to the next flag
     entries = {m.group(1): m.group(0) for m in re.finditer(r"^  (--[\w-]+).*\n(?:(?!  -).*\n?)*", options, re.M)}
     assert sorted(entries) == sorted(FLAGS[script].split())

@@ -79,10 +79,10 @@ def test_float32_on_bfloat16_weights_is_transformers_on_the_same_values(tmp_path
 
 def test_bfloat16_weights_of_a_float32_checkpoint_give_transformers_the_rounded_values(tiny_checkpoint, tmp_path):
     # The checkpoint stores float32; granite-jax keeps its weights rounded to bfloat16, so transformers must get those
-    # values (exported), not the checkpoint's: read from the checkpoint, they differed by ~2e-3 (relative).
+    # values (exported), not the checkpoint's, which differ from them by ~2e-3 (relative).
     out = tmp_path / "out"
     argv = ["--model", tiny_checkpoint, "--weight-dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
-    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "8"]) == 0
+    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "1"]) == 0  # (no decode step to compile)
     results = json.loads((out / "compare.json").read_text())
     assert results["summary"]["weight_dtype"] == "bfloat16"
     assert all(row["rel_err"] <= 1e-5 for row in results["layer_errors"]), results["layer_errors"]
@@ -112,7 +112,7 @@ def test_bfloat16_rows_set_each_side_beside_float32(tmp_path):
     # (transformers in float32 on the same bfloat16 values gives its logits), and each column measures its own side.
     out = tmp_path / "out"
     argv = ["--config", "tiny", "--dtype", "bfloat16", "--out", str(out), "--quiet", "--no-speed"]
-    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "4"]) == 0
+    assert compare.main([*argv, "--error-len", "40", "--agreement-tokens", "1"]) == 0  # (no decode step to compile)
     results = json.loads((out / "compare.json").read_text())
     assert "| logits: max abs / rel error | rel " in compare.table(results)
     pair = compare.load_pair(ModelSpec(name="tiny"), dtype="bfloat16")

@@ -12,11 +12,12 @@ import sys
 import jax
 import pytest
 
-from granite_jax import cli, cpu_kernels, experiment
+from conftest import load_script
+from granite_jax import cli, compare, experiment
+from granite_jax.checkpoint import CheckpointError
 from granite_jax.config import ATTENTION, ModelConfig
 from granite_jax.experiments import throughput
 from granite_jax.experiments.common import ExperimentError, model_config, sweep_lengths, with_num_layers
-from granite_jax.params import CheckpointError
 from granite_jax.presets import RELEASED
 from granite_jax.testing import TINY_CONFIG
 
@@ -152,7 +153,7 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
     assert unread > 0 and summary["bytes_read_per_token"] == pytest.approx(summary["param_bytes"] - width * unread)
     best = max(summary["bandwidth_gb_s"].values())  # every probe, the kernels' own product where they run
     assert {"xla_matvec_rows", "numpy_matvec"} <= set(summary["bandwidth_gb_s"])
-    assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == cpu_kernels.available()
+    assert ("kernel_matvec" in summary["bandwidth_gb_s"]) == throughput.cpu_kernels_run()
     assert summary["decode_floor_tok_s"] == pytest.approx(best * 1e9 / summary["bytes_read_per_token"])
     # Batch 1 between two sustained reads of the bytes its own decode read, in pairs: the floor of a pair is the mean
     # of each read's best decode-pattern probe, the ratio is decode over that floor; the headline is over steady pairs.
@@ -167,7 +168,7 @@ def test_throughput_quick_run_without_transformers(tmp_path, weight_dtype):
         strict=True,
     ):
         for probes in (before, after):
-            assert set(probes) == {"xla_matvec_rows"} | ({"kernel_matvec"} if cpu_kernels.available() else set())
+            assert set(probes) == {"xla_matvec_rows"} | ({"kernel_matvec"} if throughput.cpu_kernels_run() else set())
         mean = (max(before.values()) + max(after.values())) / 2
         assert floor == pytest.approx(mean * 1e9 / summary["bytes_read_per_token"])
         assert ratio == pytest.approx(decode / floor) and decode > 0
@@ -189,12 +190,14 @@ def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
         def __init__(self, tok_s):
             self.decode_tokens_per_s = tok_s
 
-    class Generator:
-        rates = iter([0.0, 35.0, 38.0, 45.0])  # tokens/s of the warm-up and the three pairs
+    rates = iter([0.0, 35.0, 38.0, 45.0])  # tokens/s of the warm-up and the three pairs
+    runs = []
 
-        def measure(self, batch, prompt_len, new_tokens, seed=0):
-            return Timing(next(self.rates))
+    def measure(generator, batch, prompt_len, new_tokens, seed=0):
+        runs.append((generator, batch, prompt_len, new_tokens))
+        return Timing(next(rates))
 
+    monkeypatch.setattr(compare, "measure", measure)
     reads = iter([40.0, 40.0, 40.0, 55.0, 55.0, 55.0])
     asked = []
 
@@ -204,7 +207,8 @@ def test_paired_floor_judges_each_run_by_the_reads_around_it(monkeypatch):
         return {"xla_matvec_rows": gb_s - 5, "kernel_matvec": gb_s}
 
     monkeypatch.setattr(throughput, "sustained_bandwidth", sustained)
-    out = throughput.paired_floor(Generator(), read_bytes=10**9, prompt_len=8, new_tokens=5, pairs=3)
+    out = throughput.paired_floor("a generator", read_bytes=10**9, prompt_len=8, new_tokens=5, pairs=3)
+    assert runs == [("a generator", 1, 8, 5)] * 4  # batch 1: a warm-up, then one run per pair
     assert asked == [4 * 10**9] * 6  # each read covers the bytes a run's decode reads
     assert out["steady"] == [True, False, True] and out["steady_pairs"] == 2
     assert out["sustained_floor_tok_s"] == pytest.approx([40, 47.5, 55])  # GB/s over 1 GB per token
@@ -224,13 +228,10 @@ def test_paired_floor_without_a_steady_pair_has_no_headline(monkeypatch, tmp_pat
     class Timing:
         decode_tokens, decode_tokens_per_s = 2, 30.0
 
-    class Generator:
-        def measure(self, *args, **kwargs):
-            return Timing()
-
+    monkeypatch.setattr(compare, "measure", lambda *args, **kwargs: Timing())
     reads = iter([36.0, 54.0, 54.0, 36.0])  # the host's level moved during both pairs
     monkeypatch.setattr(throughput, "sustained_bandwidth", lambda total, nbytes: {"kernel_matvec": next(reads)})
-    out = throughput.paired_floor(Generator(), read_bytes=10**9, prompt_len=8, new_tokens=3, pairs=2)
+    out = throughput.paired_floor(None, read_bytes=10**9, prompt_len=8, new_tokens=3, pairs=2)
     assert out["steady"] == [False, False] and out["steady_pairs"] == 0
     assert out["decode_vs_sustained_floor"] is None and out["decode_vs_sustained_floor_min"] is None
     assert out["decode_vs_sustained_floors"] == pytest.approx([30 / 45, 30 / 45])
@@ -242,18 +243,19 @@ def test_paired_floor_without_a_steady_pair_has_no_headline(monkeypatch, tmp_pat
 THROUGHPUT_SCRIPT = os.path.join(ROOT, "benchmarks", "throughput.py")
 
 
-def test_throughput_script_on_a_checkpoint(tiny_checkpoint, tmp_path):
+def test_throughput_script_on_a_checkpoint(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "throughput.json"
     args = ["--checkpoint", tiny_checkpoint, "--skip-transformers", "--prompt-len", "8", "--new-tokens", "3"]
     args += ["--batch-sizes", "1,2", "--repeats", "1", "--floor-pairs", "2", "--probe-mib", "8", "--json", str(out)]
     args += ["--plot", str(tmp_path / "pairs.png")]
-    proc = subprocess.run([sys.executable, THROUGHPUT_SCRIPT, *args], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    assert load_script(THROUGHPUT_SCRIPT).main(args) == 0  # in this process (the exit status: the test below)
+    stdout = capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert [(r["impl"], r["batch"]) for r in doc["rows"]] == [("granite-jax", 1), ("granite-jax", 2)]
     paired = doc["paired"]
-    assert len(paired["decode_tok_s"]) == 2 and "| granite-jax | 1 |" in proc.stdout
-    assert ("median" in proc.stdout) == (paired["steady_pairs"] > 0)
+    assert len(paired["decode_tok_s"]) == 2 and "| granite-jax | 1 |" in stdout
+    assert ("median" in stdout) == (paired["steady_pairs"] > 0)
     reads = zip(paired["sustained_gb_s_before"], paired["sustained_gb_s_after"], strict=True)
     floors = [(max(b.values()) + max(a.values())) / 2 * 1e9 / doc["bytes_read_per_token"] for b, a in reads]
     assert paired["sustained_floor_tok_s"] == pytest.approx(floors)
@@ -261,7 +263,8 @@ def test_throughput_script_on_a_checkpoint(tiny_checkpoint, tmp_path):
     b1 = doc["rows"][0]["decode_tok_s"]
     best = max(doc["bandwidth_gb_s"].values())
     assert doc["decode_floor_tok_s"] == pytest.approx(best * 1e9 / doc["bytes_read_per_token"])
-    assert f"{b1 / doc['decode_floor_tok_s']:.0%} |" in proc.stdout  # the burst-floor column of batch 1
+    assert f"{b1 / doc['decode_floor_tok_s']:.0%} |" in stdout  # the burst-floor column of batch 1
+    assert doc["environment"]["kernels"] in stdout  # what ran besides plain JAX
 
 
 def test_throughput_script_refuses_bad_input(tmp_path, call_main):
@@ -393,32 +396,39 @@ def test_experiment_config_argument_is_checked():
             load(path, "quik")
 
 
-def test_command_line_errors_are_one_line_exit_2():
-    cmd = [sys.executable, "-m", "granite_jax.experiment", "--config"]
+def test_command_line_errors_are_one_line_exit_2(capsys):
+    from absl import flags
+
     cases = [
         (["configs/models/tiny.py"], "configs/models/tiny.py is not an experiment config (no field 'experiment'"),
         (["configs/experiments/parity.py:bogus"], "unknown argument 'bogus'; expected ':quick' or nothing"),
         (["README.md"], "README.md is not a Python config file"),
-        (["configs/experiments/parity.py", "--config.workload.batch=x"], "--config.workload.batch=x"),
     ]
-    runs = [(subprocess.Popen([*cmd, *args], cwd=ROOT, stderr=subprocess.PIPE, text=True), m) for args, m in cases]
-    for proc, message in runs:
-        err = proc.stderr.read().strip()
-        assert proc.wait(timeout=120) == 2 and len(err.splitlines()) == 1 and message in err, err
-    help_run = subprocess.run([*cmd[:-1], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for (path, *rest), message in cases:  # the command's flag parsing, in this process
+        capsys.readouterr()
+        flags.FLAGS.unparse_flags()
+        with pytest.raises(SystemExit) as exit_info:
+            experiment.parse_flags(["granite_jax.experiment", "--config", os.path.join(ROOT, path), *rest])
+        flags.FLAGS.unparse_flags()
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    cmd = [sys.executable, "-m", "granite_jax.experiment"]
+    help_run = subprocess.run([*cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert help_run.returncode == 0 and "model.seed" in help_run.stdout and ":quick" in help_run.stdout
 
 
-def test_unknown_field_is_one_line_exit_2():
+def test_bad_overrides_are_one_line_exit_2():
+    # As processes: the overrides' flags exist once absl has loaded the config file, in a fresh interpreter.
     cmd = [sys.executable, "-m", "granite_jax.experiment", "--config", "configs/experiments/parity.py"]
-    proc = subprocess.run(
-        [*cmd, "--config.workload.seqlen=4096"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+    overrides = ["--config.workload.seqlen=4096", "--config.workload.batch=x"]
+    runs = [subprocess.Popen([*cmd, o], cwd=ROOT, stderr=subprocess.PIPE, text=True) for o in overrides]
+    errors = [proc.stderr.read().strip().splitlines() for proc in runs]
+    assert [proc.wait(timeout=120) for proc in runs] == [2, 2]
+    assert errors[0] == [
         "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
         "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype)"
     ]
+    assert len(errors[1]) == 1 and "--config.workload.batch=x" in errors[1][0], errors[1]
 
 
 def test_output_dir_removes_only_an_empty_directory_it_made_when_the_work_fails(tmp_path):

@@ -270,7 +270,7 @@ def test_ssd_gets_x_b_c_in_the_model_dtype(tiny_checkpoint, dtype, monkeypatch):
         return ssd(x, dt, A, B, C, D, **kwargs)
 
     monkeypatch.setattr(granite_model, "ssd", spy)
-    load_model(tiny_checkpoint, dtype=dtype)(jnp.ones((1, 20), jnp.int32))
+    jax.jit(lambda m, ids: m(ids))(load_model(tiny_checkpoint, dtype=dtype), jnp.ones((1, 20), jnp.int32))
     assert seen and set(seen) == {(jnp.dtype(dtype),) * 3 + (jnp.dtype(jnp.float32),)}
 
 

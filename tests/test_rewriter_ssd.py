@@ -18,8 +18,10 @@ from flax import nnx
 from ml_collections import config_dict
 
 import rewriter
+from granite_jax import ops
 from granite_jax.config import ModelConfig
 from granite_jax.model import Granite, MambaMixer
+from granite_jax.ops import Runtime
 from granite_jax.ssd import ssd_chunked, ssd_chunked_naive
 from granite_jax.testing import TINY_CONFIG
 
@@ -132,26 +134,41 @@ def test_report_command(tmp_path):
     assert len(sites) == 6 and sites[0]["intermediate_elements"] == 805_306_368
 
 
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("--config.seqlen=5", "unknown field 'seqlen' in config (fields: batch,"),
-        ("--config.seq_len=abc", "--config.seq_len=abc"),
-        ("--config.seq_len=0", "--config.seq_len must be >= 1, got 0"),
-        ("--config.target=bogus", "--config.target: 'bogus' is not one of mamba_layer, ssd, model"),
-        ("--config.model=granite-9", "--config.model: unknown model 'granite-9'"),
-        ("--config.min_dim=0", "--config.min_dim must be None or an int >= 1, got 0"),
-        ("--config=missing.py", "config file 'missing.py' not found"),
-        ("--config=configs/experiments/parity.py", "is not a rewriter report config (no field 'target'"),
-        ("--config.json_out=/nonexistent/r.json", "/nonexistent/r.json: the directory does not exist"),
-    ],
-)
-def test_report_command_refuses_bad_input(override, message):
+VALUE_ERRORS = [  # found once the config is read: checked through `report_for`, the command's own path to its errors
+    ("seq_len", 0, "--config.seq_len must be >= 1, got 0"),
+    ("target", "bogus", "--config.target: 'bogus' is not one of mamba_layer, ssd, model"),
+    ("model", "granite-9", "--config.model: unknown model 'granite-9'"),
+    ("min_dim", 0, "--config.min_dim must be None or an int >= 1, got 0"),
+]
+COMMAND_ERRORS = [  # flags and files absl reads, and the output check: as processes, all at once
+    ("--config.seqlen=5", "unknown field 'seqlen' in config (fields: batch,"),
+    ("--config.seq_len=abc", "--config.seq_len=abc"),
+    ("--config=missing.py", "config file 'missing.py' not found"),
+    ("--config=configs/experiments/parity.py", "is not a rewriter report config (no field 'target'"),
+    ("--config.json_out=/nonexistent/r.json", "/nonexistent/r.json: the directory does not exist"),
+    ("--config.seq_len=0", "--config.seq_len must be >= 1, got 0"),
+]
+
+
+def test_report_refuses_bad_values():
+    from granite_jax.cli import load_config
+    from rewriter import report
+
+    for field, value, message in VALUE_ERRORS:
+        config = load_config(str(ROOT / "configs/rewriter/h_tiny_mamba.py"))
+        config[field] = value
+        with pytest.raises(ValueError, match=re.escape(message)):
+            report.report_for(config)
+
+
+def test_report_command_refuses_bad_input_with_one_line_and_exit_2():
     config = str(ROOT / "configs/rewriter/h_tiny_mamba.py")
-    cmd = [sys.executable, "-m", "rewriter.report", "--config", config, override]
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    cmd = [sys.executable, "-m", "rewriter.report", "--config", config]
+    runs = [subprocess.Popen([*cmd, arg], cwd=ROOT, stderr=subprocess.PIPE, text=True) for arg, _ in COMMAND_ERRORS]
+    for run, (_, message) in zip(runs, COMMAND_ERRORS, strict=True):
+        err = run.stderr.read()
+        assert run.wait(timeout=300) == 2 and message in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_report_command_help_lists_the_fields():
@@ -163,27 +180,37 @@ def test_report_command_help_lists_the_fields():
         assert field in text, field
 
 
-def tiny_config(impl: str) -> ModelConfig:
-    return ModelConfig.from_hf_dict(TINY_CONFIG | {"vocab_size": 300}).replace(ssd_impl=impl)
+TINY = ModelConfig.from_hf_dict(TINY_CONFIG | {"vocab_size": 300})
+
+
+def runtime(ssd: str) -> Runtime:
+    """The SSD `ssd` in plain JAX (no platform kernels): only the SSD differs between the two sides."""
+    return Runtime(ssd=ssd, kernels=False)
 
 
 def test_naive_mamba_layer_matches_xla():
     x = jax.random.normal(jax.random.key(1), (2, 40, 64))
-    graphdef, state = nnx.split(MambaMixer(tiny_config("naive"), rngs=nnx.Rngs(0)))
-    layer = lambda state, x: nnx.merge(graphdef, state)(x)[0]
-    fast = rewriter.rewrite(layer, options=GATE_OFF)
-    xla_graphdef, xla_state = nnx.split(MambaMixer(tiny_config("xla"), rngs=nnx.Rngs(0)))
-    expected = jax.jit(lambda state, x: nnx.merge(xla_graphdef, state)(x)[0])(xla_state, x)
+    graphdef, state = nnx.split(MambaMixer(TINY, rngs=nnx.Rngs(0)))
+
+    def layer(ssd: str):  # a mixer alone is traced under the runtime in effect (a model enters its own)
+        def run(state, x):
+            with ops.using(runtime(ssd)):
+                return nnx.merge(graphdef, state)(x)[0]
+
+        return run
+
+    fast = rewriter.rewrite(layer("naive"), options=GATE_OFF)
+    expected = jax.jit(layer("xla"))(state, x)
     assert_close_to(fast(state, x), expected)
     assert_lists_ssd_sites(fast.last_report)
 
 
 def test_naive_model_matches_xla():
     tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, 300)
-    graphdef, state = nnx.split(Granite(tiny_config("naive"), rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(Granite(TINY, runtime=runtime("naive"), rngs=nnx.Rngs(0)))
     model = lambda state, tokens: nnx.merge(graphdef, state)(tokens)
     fast = rewriter.rewrite(model, options=GATE_OFF)
-    xla_graphdef, xla_state = nnx.split(Granite(tiny_config("xla"), rngs=nnx.Rngs(0)))
+    xla_graphdef, xla_state = nnx.split(Granite(TINY, runtime=runtime("xla"), rngs=nnx.Rngs(0)))
     expected = jax.jit(lambda state, tokens: nnx.merge(xla_graphdef, state)(tokens))(xla_state, tokens)
-    assert_close_to(fast(state, tokens), expected, rtol=1e-5)  # measured 2e-7
+    assert_close_to(fast(state, tokens), expected, rtol=1e-5)  # (the two differ by ~2e-7)
     assert_lists_ssd_sites(fast.last_report, layers=3)  # three Mamba layers

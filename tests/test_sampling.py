@@ -57,17 +57,8 @@ def test_greedy_is_argmax(draws):
     assert draws(SamplingConfig())[0] == 1.0
 
 
-def traced_under(runtime: ops.Runtime):
-    """`greedy_tokens` jitted under `runtime`: plain JAX's two reductions, or a platform kernel where one runs."""
-
-    def greedy(logits):
-        with ops.using(runtime):
-            return sampling.greedy_tokens(logits)
-
-    return greedy
-
-
-GREEDY = [traced_under(ops.Runtime()), traced_under(ops.Runtime(kernels=False))]
+# greedy_tokens under each runtime: a platform kernel where one runs, and plain JAX's two reductions
+GREEDY = [ops.under(runtime, sampling.greedy_tokens) for runtime in (ops.Runtime(), ops.Runtime(kernels=False))]
 
 
 @pytest.mark.parametrize("greedy", GREEDY, ids=["kernels", "plain"])

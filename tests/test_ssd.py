@@ -10,7 +10,11 @@ import pytest
 from granite_jax import ops
 from granite_jax.ssd import segsum, ssd, ssd_chunked, ssd_chunked_naive, ssd_reference, ssd_step
 
-IMPLS = {"xla": ssd_chunked, "naive": ssd_chunked_naive}
+# jitted: run eagerly, every operation would compile on its own
+IMPLS = {
+    "xla": jax.jit(ssd_chunked, static_argnames="chunk_size"),
+    "naive": jax.jit(ssd_chunked_naive, static_argnames="chunk_size"),
+}
 
 
 def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
@@ -26,7 +30,7 @@ def random_inputs(rng, b, L, h, p, g, n, dt_scale=1.0):
 
 def float64_reference(inputs, initial_state):
     with jax.enable_x64(True):
-        y, s = ssd_reference(
+        y, s = jax.jit(ssd_reference)(
             **{k: jnp.asarray(v, jnp.float64) for k, v in inputs.items()},
             initial_state=None if initial_state is None else jnp.asarray(initial_state, jnp.float64),
         )
@@ -92,7 +96,7 @@ def test_segment_sums_are_sums_of_their_own_segments(t):
     for i in range(t):
         for j in range(i + 1):
             want[..., i, j] = a[..., j + 1 : i + 1].sum(-1)
-    got = np.asarray(segsum(jnp.asarray(a, jnp.float32)), np.float64)
+    got = np.asarray(jax.jit(segsum)(jnp.asarray(a, jnp.float32)), np.float64)
     finite = np.isfinite(want)
     assert (np.isfinite(got) == finite).all()
     segment_size = np.abs(want[finite]) + np.abs(a).max()  # the terms of one segment, not the whole chunk
@@ -115,7 +119,7 @@ def test_bfloat16_inputs_give_float32_outputs():
     inputs = random_inputs(np.random.default_rng(8), 1, 40, 4, 8, 1, 16)
     bf16 = {k: jnp.asarray(v, jnp.bfloat16 if k in ("x", "B", "C") else jnp.float32) for k, v in inputs.items()}
     y_ref, s_ref = float64_reference({k: np.asarray(v, np.float64) for k, v in bf16.items()}, None)
-    y, s = ssd(**bf16, chunk_size=16)
+    y, s = jax.jit(ssd, static_argnames="chunk_size")(**bf16, chunk_size=16)
     assert y.dtype == s.dtype == jnp.float32 and rel(y, y_ref) < 2e-6 and rel(s, s_ref) < 2e-6
 
 

@@ -2,7 +2,7 @@
 
 Uses the Mamba dimensions of the model (`model.name`, or the config.json of `model.checkpoint`; no weights are read).
 `workload.ssd_impl` and `workload.rewriter` do not apply: all three variants are always measured, in float32. The
-measurement is benchmarks/rewrite_ssd.py's `bench_length`.
+measurement is `granite_jax.experiments.rewrite.bench_length` (benchmarks/rewrite_ssd.py runs it too).
 
     python -m granite_jax.experiment --config configs/experiments/rewrite.py
     python -m granite_jax.experiment --config configs/experiments/rewrite.py --config.model.name=granite-4.0-h-tiny

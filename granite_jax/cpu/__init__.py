@@ -37,7 +37,7 @@ def describe() -> str:
     if panels_use_avx512():
         products += " (AVX-512)"
     return (
-        f"cpu kernels: {products}; expert products; Mamba decoding step and state update; decode attention; "
+        f"{products}; expert products; Mamba decoding step and state update; decode attention; "
         "greedy sampling; bfloat16 embedding lookup"
     )
 

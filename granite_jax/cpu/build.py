@@ -9,6 +9,7 @@ JAX's default backend is not the CPU, or with ``GRANITE_JAX_CPU_KERNELS=0``: `un
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -28,6 +29,7 @@ SOURCES = tuple(CSRC / name for name in ("small_matmul.cc", "ssm_update.cc", "de
 HEADERS = (CSRC / "parallel.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC")
 AVX512_FLAGS = ("-mavx512f",)  # where the CPU has AVX-512F: the panel kernel then takes four panels at once
+LOCK = ".build.lock"  # in the cache directory, held while a library is built
 TARGETS = (
     "granite_small_matmul",
     "granite_matvec",
@@ -149,8 +151,16 @@ def compiled_library(flags: tuple[str, ...]) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / LOCK, "w") as lock:  # processes starting at once build it once, not each
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _build(cxx, flags, include, target)
+    return target
+
+
+def _build(cxx: str, flags: tuple[str, ...], include: str, target: Path) -> None:
     log.info("granite_jax.cpu: compiling %s -> %s", _names(), target)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then an atomic rename: safe with parallel builds
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then an atomic rename: no half-written library
         built = Path(tmp) / target.name
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         # One compiler per source at once (each spends most of its time parsing the FFI headers), then one link.
@@ -159,4 +169,3 @@ def compiled_library(flags: tuple[str, ...]) -> Path:
             list(pool.map(_run_compiler, compiles))
         _run_compiler([cxx, *flags, *map(str, objects), "-o", str(built)])
         os.replace(built, target)
-    return target

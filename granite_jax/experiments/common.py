@@ -18,15 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from granite_jax import cpu_kernels
+from granite_jax import ops
+from granite_jax.checkpoint import DTYPES, dtype_name, load_model
 from granite_jax.cli import load_config
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
+from granite_jax.errors import InputError
 from granite_jax.model import Granite, count_params, weight_dtype
-from granite_jax.params import load_model, model_dtypes
+from granite_jax.ops import SSD_IMPLS, Runtime
 from granite_jax.presets import RELEASED
 
 
-class ExperimentError(ValueError):
+class ExperimentError(InputError):
     """Bad experiment input (config value, model name, directory); the message is meant for the command line."""
 
 
@@ -89,9 +91,12 @@ def with_num_layers(cfg: ModelConfig, n: int) -> ModelConfig:
     return cfg.replace(layer_types=tuple(ATTENTION if i in at else MAMBA for i in range(n)))
 
 
-def random_model(cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, seed: int = 0) -> Granite:
-    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`, in `param_dtype` (None: dtype)."""
-    return Granite(cfg, dtype=dtype, param_dtype=param_dtype or dtype, rngs=nnx.Rngs(seed))
+def random_model(
+    cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, runtime: Runtime | None = None, seed: int = 0
+) -> Granite:
+    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`, in `param_dtype` (None: dtype),
+    run with `runtime` (None: the default)."""
+    return Granite(cfg, dtype=dtype, param_dtype=param_dtype or dtype, runtime=runtime, rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,22 +117,31 @@ class ModelSpec:
     def load(
         self, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla", progress: bool = False
     ) -> Granite:
-        """The model, computing in `dtype` on weights kept in `weight_dtype` (None: dtype)."""
-        try:
-            dtypes = model_dtypes(dtype, weight_dtype)
-        except ValueError as e:
-            raise ExperimentError(str(e)) from None
+        """The model, computing in `dtype` on weights kept in `weight_dtype` (None: dtype), its SSD `ssd_impl` (one
+        of `ops.SSD_IMPLS`) and the platform's kernels where they run (`ops.Runtime`)."""
+        dtype, weights = check_dtypes(dtype, weight_dtype)
         check_ssd_impl(ssd_impl)
+        runtime = Runtime(ssd=ssd_impl)
         if self.checkpoint:
             if self.num_layers is not None:
                 raise ExperimentError("model.num_layers applies to random weights only; unset it or model.checkpoint")
             if not os.path.isdir(self.checkpoint):
                 raise ExperimentError(f"{self.checkpoint}: model directory not found")
-            return load_model(self.checkpoint, **dtypes, ssd_impl=ssd_impl, progress=progress)
+            return load_model(self.checkpoint, dtype=dtype, weight_dtype=weights, runtime=runtime, progress=progress)
         if not self.name:
             raise ExperimentError("no model: set a checkpoint directory or the name of an architecture")
-        cfg = model_config(self.name, self.num_layers).replace(ssd_impl=ssd_impl)
-        return random_model(cfg, **dtypes, seed=self.seed)
+        cfg = model_config(self.name, self.num_layers)
+        return random_model(cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[weights], runtime=runtime, seed=self.seed)
+
+
+def check_dtypes(dtype: Any, weight_dtype: Any = None) -> tuple[str, str]:
+    """(dtype, weight dtype) as names (`checkpoint.DTYPES`; weight_dtype None: dtype); ExperimentError naming the bad
+    one otherwise."""
+    try:
+        dtype = dtype_name("dtype", dtype)
+        return dtype, dtype if weight_dtype is None else dtype_name("weight_dtype", weight_dtype)
+    except InputError as e:
+        raise ExperimentError(str(e)) from None
 
 
 def model_summary(model: Granite) -> dict[str, Any]:
@@ -141,7 +155,7 @@ def model_summary(model: Granite) -> dict[str, Any]:
         num_local_experts=cfg.num_local_experts,
         dtype=str(jnp.dtype(model.dtype)),
         weight_dtype=weight_dtype(model),
-        ssd_impl=cfg.ssd_impl,
+        ssd_impl=model.runtime.ssd,
     )
 
 
@@ -207,13 +221,18 @@ def environment() -> dict[str, Any]:
         python=platform.python_version(),
         platform=platform.platform(),
         load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,  # 1, 5, 15 min, at the end
-        cpu_kernels=cpu_kernels.describe(),
+        kernels=ops.describe(Runtime()),  # what runs besides plain JAX by default here (the CPU kernels)
     )
 
 
 def cpu_model() -> str:
-    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere `platform.processor()`)."""
-    return cpu_kernels.cpuinfo("model name") or platform.processor()
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere, or without the optional `granite_jax.cpu`,
+    `platform.processor()`)."""
+    try:
+        from granite_jax.cpu.build import cpuinfo
+    except ImportError:
+        return platform.processor()
+    return cpuinfo("model name") or platform.processor()
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -325,11 +344,9 @@ class Result:
 
 def check_workload(workload) -> None:
     """Clear errors for workload values no experiment can run."""
-    from granite_jax.config import SSD_IMPLS
-
     try:
-        model_dtypes(workload.dtype, workload.weight_dtype)
-    except ValueError as e:
+        check_dtypes(workload.dtype, workload.weight_dtype)
+    except ExperimentError as e:
         raise ExperimentError(f"workload.{e}") from None
     if workload.ssd_impl not in SSD_IMPLS:
         raise ExperimentError(f"workload.ssd_impl: {workload.ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
@@ -353,6 +370,9 @@ def torch_matmul_precision(dtype: str):
 
 
 def check_ssd_impl(ssd_impl: str) -> None:
+    """ExperimentError where `ssd_impl` is not one of `ops.SSD_IMPLS`, or cannot run here (pallas without a GPU)."""
+    if ssd_impl not in SSD_IMPLS:
+        raise ExperimentError(f"ssd_impl: {ssd_impl!r} is not one of {', '.join(SSD_IMPLS)}")
     if ssd_impl == "pallas":
         import pallas_kernels
 
@@ -458,7 +478,7 @@ def model_spec(config) -> ModelSpec:
 def load_config_of(config) -> ModelConfig:
     """The architecture of the experiment's model without reading weights: the checkpoint's config.json, or the name."""
     if config.model.checkpoint:
-        from granite_jax.params import load_config
+        from granite_jax.checkpoint import load_config
 
         if not os.path.isdir(config.model.checkpoint):
             raise ExperimentError(f"{config.model.checkpoint}: model directory not found")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from granite_jax import ops
 from granite_jax.compare import maybe_rewritten
 from granite_jax.config import ATTENTION, MAMBA
 from granite_jax.experiments.common import (
@@ -96,11 +97,13 @@ def measure_length(model: Granite, batch: int, length: int, rewritten: bool, rep
 
 
 def time_layer(model: Granite, index: int, x, rewritten: bool, repeats: int, warmup: int):
-    """Median seconds and compiled memory of decoder layer `index` alone on input x (b, T, hidden)."""
+    """Median seconds and compiled memory of decoder layer `index` alone on input x (b, T, hidden), run as the model
+    runs it (its `Runtime`)."""
 
     def layer_forward(layer, x):
         slots = jnp.arange(x.shape[1], dtype=jnp.int32)
-        return layer(x, Positions(slots, jnp.zeros((x.shape[0],), jnp.int32)), None)[0]
+        with ops.using(model.runtime):
+            return layer(x, Positions(slots, jnp.zeros((x.shape[0],), jnp.int32)), None)[0]
 
     layer = model.layers[index]
     compiled = jax.jit(maybe_rewritten(layer_forward, rewritten)).lower(layer, x).compile()

@@ -2,7 +2,7 @@
 
 For each batch size, greedy generation of exactly `workload.new_tokens` tokens from random prompts of
 `workload.seq_len` tokens; the measurement is `granite_jax.compare.speed` (the one `python -m granite_jax.compare`
-prints): granite-jax through `Generator.measure` (compilation excluded and reported apart), transformers through
+prints): granite-jax through `compare.measure` (compilation excluded and reported apart), transformers through
 `model.generate` with per-token timestamps. Best of `measure.repeats` runs after a warm-up.
 
 With `measure.floor_probe_mib` > 0 it also measures the memory bandwidth (`memory_bandwidth`, before and after the
@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from granite_jax import compare, cpu_kernels
+from granite_jax import compare, ops
 from granite_jax.experiments.common import (
     ExperimentError,
     Result,
@@ -37,6 +37,8 @@ from granite_jax.experiments.common import (
     model_summary,
     set_torch_threads,
 )
+from granite_jax.model import linear
+from granite_jax.ops import Runtime
 
 
 def run(config) -> Result:
@@ -122,13 +124,26 @@ def run(config) -> Result:
 
 DECODE_PATTERN = ("xla_matvec_rows", "kernel_matvec")  # the probes that read W (N, K) as batch-1 decode does
 _SUM, _MATMUL = jax.jit(jnp.sum), jax.jit(jnp.matmul)
-_DOT, _KERNEL = jax.jit(cpu_kernels.dot), jax.jit(cpu_kernels.linear)  # x W^T: XLA's, and the kernels' (one row)
+
+
+# The model's x W^T (`model.linear`): plain JAX (XLA's product), and with the platform's kernels (on a CPU with the
+# CPU kernels, one row is their matrix-vector kernel on W as it is).
+_DOT, _KERNEL = jax.jit(ops.under(Runtime(kernels=False), linear)), jax.jit(ops.under(Runtime(), linear))
+
+
+def cpu_kernels_run() -> bool:
+    """Whether the optional CPU kernels (`granite_jax.cpu`) are installed and run here."""
+    try:
+        from granite_jax import cpu
+    except ImportError:
+        return False
+    return cpu.available()
 
 
 def bandwidth_probes(nbytes: int = 1 << 30, names: tuple[str, ...] | None = None) -> tuple[int, dict[str, Callable]]:
     """(bytes each probe reads, {name: probe}): reads of a float32 buffer of about `nbytes` (8192 columns): a numpy
     sum, a numpy (BLAS) matrix-vector product, an XLA sum, XLA matrix-vector products with the matrix (in, out) and
-    (out, in), the latter being the decode step's own access pattern (`model.Linear`), and where the CPU kernels run,
+    (out, in), the latter being the decode step's own access pattern (`model.linear`), and where the CPU kernels run,
     their matrix-vector product (batch-1 decode's). Each spreads over all cores if it can. `names`: only these. A buffer
     is allocated by the first call of a probe that reads it (call each once untimed), and shared by the probes of its
     layout."""
@@ -147,7 +162,7 @@ def bandwidth_probes(nbytes: int = 1 << 30, names: tuple[str, ...] | None = None
         xla_matvec=lambda: _MATMUL(vector, in_out()).block_until_ready(),
         xla_matvec_rows=lambda: _DOT(vector, out_in()).block_until_ready(),
     )
-    if cpu_kernels.uses_matvec(vector, jax.ShapeDtypeStruct((rows, cols), jnp.float32)):
+    if cpu_kernels_run():  # one float32 row by a float32 matrix: the matrix-vector kernel
         probes["kernel_matvec"] = lambda: _KERNEL(vector, out_in()).block_until_ready()
     chosen = probes if names is None else {name: probe for name, probe in probes.items() if name in names}
     return rows * cols * 4, chosen
@@ -190,11 +205,11 @@ def paired_floor(
 ) -> dict[str, Any]:
     """Batch-1 decode against a weights-read floor measured at the same moment, `pairs` times.
 
-    Each pair brackets one greedy run (`Generator.measure`, after a warm-up) between two `sustained_bandwidth` reads
+    Each pair brackets one greedy run (`compare.measure`, after a warm-up) between two `sustained_bandwidth` reads
     of the bytes such a run's decode reads (tokens x `read_bytes`), so both sides read the same bytes over about the
-    same seconds. A shared host's bandwidth can move between levels for seconds at a time (measured on the 2-core
-    VMs: ~35-37 and ~51-57 GB/s), and a run's floor is then only known when it did not move across the pair: a pair is
-    *steady* when the two reads agree within `STEADY_WITHIN`. Its floor is their mean (the best probe of each).
+    same seconds. A shared host's bandwidth can move between levels for seconds at a time, and a run's floor is then
+    only known when it did not move across the pair: a pair is *steady* when the two reads agree within
+    `STEADY_WITHIN`. Its floor is their mean (the best probe of each).
 
     Returns per-pair lists (seconds since the first pair began, decode and floor tokens/s, their ratio, each read's
     GB/s per probe, steady or not), the median and the lowest ratio over the steady pairs (`decode_vs_sustained_floor`,
@@ -203,7 +218,7 @@ def paired_floor(
     the reads' bytes over their seconds (`pooled_floor_tok_s`, each read by its best probe). Both sides then average
     the same stretch of the host's levels, weighted by time; a pair whose level moved counts, as it ran.
     """
-    warm = generator.measure(1, prompt_len, new_tokens)
+    warm = compare.measure(generator, 1, prompt_len, new_tokens)
     run_bytes = warm.decode_tokens * read_bytes
     keys = ("seconds", "decode_tok_s", "sustained_floor_tok_s", "decode_vs_sustained_floors", "steady")
     out: dict[str, Any] = {k: [] for k in (*keys, "sustained_gb_s_before", "sustained_gb_s_after")}
@@ -211,7 +226,7 @@ def paired_floor(
     for i in range(pairs):
         out["seconds"].append(time.perf_counter() - start)
         before = sustained_bandwidth(run_bytes, nbytes)
-        t = generator.measure(1, prompt_len, new_tokens, seed=i + 1)
+        t = compare.measure(generator, 1, prompt_len, new_tokens, seed=i + 1)
         after = sustained_bandwidth(run_bytes, nbytes)
         low, high = sorted((max(before.values()), max(after.values())))
         floor = (low + high) / 2 * 1e9 / read_bytes

@@ -127,13 +127,15 @@ class Steps:
         return self._cache.eval_shape(self.cfg, batch, cache_len, self.model.dtype, pad)
 
     def compile(self, kind: str, prepared, batch: int, cache_len: int, *, tokens: int = 1, chunk: int | None = None):
-        """Compile step `kind` for these shapes ahead of its first call (jit's cache keeps the executable)."""
+        """Compile step `kind` for these shapes ahead of its first call (jit's cache keeps the executable, which is
+        also returned, for reading)."""
         args = _abstract_arguments(kind, batch, tokens, self.abstract_cache(batch, cache_len))
         extra = {} if chunk is None else {"chunk": chunk}
-        self.jitted[kind].lower(self.weights, prepared, *args, **extra).compile()
+        compiled = self.jitted[kind].lower(self.weights, prepared, *args, **extra).compile()
         if kind == "prefill":
             pad = jax.ShapeDtypeStruct((batch,), jnp.int32)
             self._cache.lower(self.cfg, batch, cache_len, self.model.dtype, pad).compile()
+        return compiled
 
 
 def _abstract_arguments(kind: str, batch: int, tokens: int, cache: Cache) -> tuple:

@@ -1,23 +1,25 @@
-"""granite_jax.cpu_kernels against XLA on this CPU, for a released model's decode shapes.
+"""The CPU kernels (`granite_jax.cpu`) against XLA on this CPU, for a released model's decode shapes.
 
-    python benchmarks/cpu_kernels.py                             # h-350m's shapes, 1-16 rows
-    python benchmarks/cpu_kernels.py --rows 8 --json out.json
-    python benchmarks/cpu_kernels.py --dtype bfloat16 --parts products  # bfloat16 weights (float32 arithmetic)
+    python granite_jax/cpu/benchmarks/kernels.py                      # h-350m's shapes, 1-16 rows
+    python granite_jax/cpu/benchmarks/kernels.py --rows 8 --json out.json
+    python granite_jax/cpu/benchmarks/kernels.py --dtype bfloat16 --parts products  # bfloat16 weights
 
 Products: for every distinct (out, in) weight shape of the model (and the tied head), a jitted chain of products
 against enough different weight matrices to overflow the caches, so each product reads its weights from memory as in
 a decode step (one row: the matrix-vector kernel and XLA both read the checkpoint's (out, in) layout; 2-16 rows: the
-kernel reads them packed in panels, `cpu_kernels.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
-State update: one token through every Mamba layer's state (batch = rows), GB/s of state read and written by the update
-(the kernel's one pass; XLA reads the state a second time for y). Mamba step: the same token through every Mamba layer's
-whole decoding step between its projections (conv, time steps, state update, gated norm: one kernel call a layer,
-against XLA's fusions around the state update kernel), microseconds per layer. Experts (MoE shapes only, e.g. --shape
-granite-4.0-h-tiny): the (token, expert) rows of --expert-tokens tokens (a decode batch, or a prefill) through one
-layer's stacked expert weights, in and out, each call with other random expert ids; GB/s of the distinct chosen experts'
-weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its rows; XLA gathers them first, or
-past 64 rows runs blocks of rows padded per expert). --dtype sets the weights' and activations' dtype of the products
-and experts (the state is always float32). Kernel and XLA are timed alternately in one run, best of --repeats, and the
-ratio printed.
+kernel reads them packed in panels, `packing.pack`, XLA the (out, in) layout). Prints GB/s of weights read.
+State update: one token through every Mamba layer's state (batch = rows, `ssd.ssd_step`), GB/s of state read and
+written by the update (the kernel's one pass; XLA reads the state a second time for y). Mamba step: the same token
+through every Mamba layer's whole decoding step between its projections (`MambaMixer.mix`: conv, time steps, state
+update, gated norm; one kernel call a layer, against XLA's fusions), microseconds per layer. Experts (MoE shapes only,
+e.g. --shape granite-4.0-h-tiny): the (token, expert) rows of --expert-tokens tokens (a decode batch, or a prefill)
+through one layer's stacked expert weights, in and out, each call with other random expert ids (`expert_linear`); GB/s
+of the distinct chosen experts' weights and GFLOP/s (the kernel reads each chosen expert in place, once for all its
+rows; XLA gathers them first, or past 64 rows groups the rows by expert for one `lax.ragged_dot`). Attention: one query
+token per row over a KV cache (`attend_cache`). --dtype sets the weights' and activations' dtype of the products and
+experts (the state is always float32). The model's ops run as the kernels (`Runtime()`) and as plain JAX
+(`Runtime(kernels=False)`: XLA), the products as the kernels' own calls against XLA's; both are timed alternately in
+one run, best of --repeats, and the ratio printed. Weights and activations are uniform random numbers (`uniform`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,18 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a plain checkout
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, ROOT)  # runs from a plain checkout
 
 
 PARTS = ("products", "state", "mamba", "experts", "attention")
+
+
+def runtimes() -> dict:
+    """How each side runs the model's ops: "kernel", the CPU kernels (the default `Runtime`); "xla", plain JAX."""
+    from granite_jax.ops import Runtime
+
+    return {"kernel": Runtime(), "xla": Runtime(kernels=False)}
 
 
 def parts(text: str) -> list[str]:
@@ -104,23 +114,24 @@ def weight_shapes(name: str) -> list[tuple[int, int]]:
 def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int, dtype: str) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    from granite_jax import cpu_kernels
+    from granite_jax import ops
+    from granite_jax.cpu import kernels, packing
+    from granite_jax.model import linear
+    from granite_jax.ops import Runtime
 
     n, k = shape
     size = jnp.dtype(dtype).itemsize
     count = max(1, -(-chain_bytes // (n * k * size)))
-    rng = np.random.default_rng(0)
-    weights = [jnp.asarray(rng.standard_normal((n, k)), dtype) for _ in range(count)]
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    weights = [random_array((n, k), dtype, seed=i) for i in range(count)]
+    x = random_array((rows, k), dtype, seed=-1)
     if rows == 1:  # the matrix-vector kernel, on the weights as they are
-        kernel = jax.jit(lambda x, ws: sum(cpu_kernels._matvec(x, w) for w in ws))
+        kernel = jax.jit(lambda x, ws: sum(kernels.matvec(x, w) for w in ws))
         operands = weights
-    else:  # the panel kernel, on what `Linear.pack` keeps beside each weight
-        kernel = jax.jit(lambda x, ps: sum(cpu_kernels._kernel(x, p, n) for p in ps))
-        operands = [cpu_kernels.pack(w) for w in weights]
-    xla = jax.jit(lambda x, ws: sum(cpu_kernels.dot(x, w) for w in ws))
+    else:  # the panel kernel, on the panels `packing.prepare` keeps beside each weight for such steps
+        kernel = jax.jit(lambda x, ps: sum(kernels.panels(x, p, n) for p in ps))
+        operands = [packing.pack(w) for w in weights]
+    xla = jax.jit(ops.under(Runtime(kernels=False), lambda x, ws: sum(linear(x, w) for w in ws)))  # the model's product
     calls = {"kernel": functools.partial(kernel, x, operands), "xla": functools.partial(xla, x, weights)}
     best = best_times(calls, repeats)
     read = count * n * k * size
@@ -131,6 +142,21 @@ def measure(shape: tuple[int, int], rows: int, chain_bytes: int, repeats: int, d
         matrices=count,
         **rates(read, best),
     )
+
+
+def uniform(shape: tuple[int, ...], dtype: str, seed: int = 0):
+    """Values in [-1, 1) of `shape` on the device, drawn under `seed` (>= -1). What the kernels read is timed, not its
+    values: uniform draws cost a fifth of normal ones, and the largest (the tied head, the experts) are 10^8 values."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = np.random.default_rng(seed + 1).random(shape, np.float32)
+    x *= 2
+    x -= 1
+    return jnp.asarray(x, dtype)
+
+
+random_array = functools.lru_cache(maxsize=4)(uniform)  # the same weights for the next rows or tokens
 
 
 def best_times(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -158,30 +184,33 @@ def rates(nbytes: int, best: dict[str, float]) -> dict[str, float]:
 
 
 def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
-    """One token through every Mamba layer's state at this batch size: kernel vs XLA."""
+    """One token through every Mamba layer's state at this batch size (`ssd.ssd_step`): kernel vs XLA."""
     import jax
     import numpy as np
 
-    from granite_jax import cpu_kernels
+    from granite_jax import ops
     from granite_jax.presets import released_config
+    from granite_jax.ssd import ssd_step
 
     cfg = released_config(name)
     layers = sum(kind == "mamba" for kind in cfg.layer_types)
     h, p, n, g = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state, cfg.mamba_n_groups
     rng = np.random.default_rng(0)
     states = [jax.device_put(rng.standard_normal((batch, h, p, n), np.float32)) for _ in range(layers)]
-    decay = jax.device_put(rng.uniform(0.5, 1.0, (batch, h)).astype(np.float32))
-    dtx = jax.device_put(rng.standard_normal((batch, h, p), np.float32))
+    x = jax.device_put(rng.standard_normal((batch, h, p), np.float32))
+    dt = jax.device_put(rng.uniform(0.01, 0.1, (batch, h)).astype(np.float32))
+    A = jax.device_put(-rng.uniform(1.0, 8.0, h).astype(np.float32))
     B, C = (jax.device_put(rng.standard_normal((batch, g, n), np.float32)) for _ in range(2))
+    D = jax.device_put(rng.standard_normal(h).astype(np.float32))
 
-    def chain(update):  # the states donated and returned, updated in place as in a decode step
-        return jax.jit(lambda ss, *a: [update(s, *a) for s in ss], donate_argnums=0)
+    def chain(runtime):  # the states donated and returned, updated in place as in a decode step
+        return jax.jit(ops.under(runtime, lambda ss, *a: [ssd_step(s, *a)[1] for s in ss]), donate_argnums=0)
 
-    fns = {"kernel": chain(cpu_kernels._ssm_kernel), "xla": chain(cpu_kernels._ssm_update_xla)}
+    fns = {impl: chain(runtime) for impl, runtime in runtimes().items()}
     carried = {name: [jax.numpy.array(s) for s in states] for name in fns}  # own copies: each chain donates its own
 
     def step(name):  # one call, its new states carried into the next
-        carried[name] = [s for s, _ in jax.block_until_ready(fns[name](carried[name], decay, dtx, B, C))]
+        carried[name] = jax.block_until_ready(fns[name](carried[name], x, dt, A, B, C, D))
 
     best = best_times({name: functools.partial(step, name) for name in fns}, repeats)
     moved = 2 * layers * batch * h * p * n * 4  # the state read and written once
@@ -194,14 +223,15 @@ def measure_state_update(name: str, batch: int, repeats: int) -> dict[str, Any]:
 
 
 def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
-    """One token through every Mamba layer's decoding step between its projections (`model.mixer_middle`) at this
-    batch size: the fused kernel (`cpu_kernels.mamba_step`) vs XLA's (which calls the state update kernel)."""
+    """One token through every Mamba layer's decoding step between its projections (`MambaMixer.mix`) at this batch
+    size: the fused kernel (`kernels.mamba_step`) vs XLA's. Every layer has the one mixer's weights (random)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
-    from granite_jax import cpu_kernels
-    from granite_jax.model import MambaWeights, mixer_middle
+    from granite_jax import ops
+    from granite_jax.model import MambaState
     from granite_jax.presets import released_config
 
     cfg = released_config(name)
@@ -209,29 +239,25 @@ def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
     h, p, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state
     rng = np.random.default_rng(0)
     normal = lambda *shape: jax.device_put(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    graphdef, weights = nnx.split(mamba_mixer(name))
     zxbcdt = normal(batch, 1, cfg.mamba_d_inner + cfg.mamba_conv_dim + h)
-    conv = normal(cfg.mamba_d_conv, cfg.mamba_conv_dim), normal(cfg.mamba_conv_dim)
-    weights = MambaWeights(*conv, normal(h), normal(h), normal(h), normal(cfg.mamba_d_inner))
     rings = [normal(batch, cfg.mamba_d_conv, cfg.mamba_conv_dim) for _ in range(layers)]
     states = [normal(batch, h, p, n) for _ in range(layers)]
     mask, slot = jnp.ones((batch, 1), jnp.bool_), jnp.int32(7)  # decoding: every row real
-    xla = functools.partial(mixer_middle, cfg, jnp.float32)
 
-    def kernel(*args):
-        return cpu_kernels.mamba_step(*args, cfg.time_step_limit, cfg.rms_norm_eps, xla)
+    def chain(runtime):  # rings and states donated and returned, updated in place as in a decode step
+        def layers_of(weights, rings, states):
+            mixer = nnx.merge(graphdef, weights)
+            outs = [mixer.mix(zxbcdt, mask, MambaState(r, s), slot) for r, s in zip(rings, states, strict=True)]
+            return [y for y, _ in outs], [o.conv for _, o in outs], [o.ssm for _, o in outs]
 
-    def chain(middle):  # rings and states donated and returned, updated in place as in a decode step
-        def layers_of(rings, states):
-            outs = [middle(zxbcdt, mask, r, slot, weights, s) for r, s in zip(rings, states, strict=True)]
-            return [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
+        return jax.jit(ops.under(runtime, layers_of), donate_argnums=(1, 2))
 
-        return jax.jit(layers_of, donate_argnums=(0, 1))
-
-    fns = {"kernel": chain(kernel), "xla": chain(xla)}
+    fns = {impl: chain(runtime) for impl, runtime in runtimes().items()}
     carried = {name: ([jnp.array(r) for r in rings], [jnp.array(s) for s in states]) for name in fns}
 
     def step(name):  # one call, its new rings and states carried into the next
-        _, new_rings, new_states = jax.block_until_ready(fns[name](*carried[name]))
+        _, new_rings, new_states = jax.block_until_ready(fns[name](weights, *carried[name]))
         carried[name] = (new_rings, new_states)
 
     best = best_times({name: functools.partial(step, name) for name in fns}, repeats)
@@ -244,13 +270,29 @@ def measure_mamba_step(name: str, batch: int, repeats: int) -> dict[str, Any]:
     )
 
 
+@functools.lru_cache(maxsize=1)  # one for every batch size
+def mamba_mixer(name: str):
+    """A Mamba mixer of the released model `name`, every weight `uniform` (Flax's initialisers cost seconds here)."""
+    import jax
+    from flax import nnx
+
+    from granite_jax.model import MambaMixer
+    from granite_jax.presets import released_config
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MambaMixer(released_config(name), rngs=nnx.Rngs(0))))
+    leaves, treedef = jax.tree.flatten(state)
+    weights = [uniform(x.shape, x.dtype, seed) for seed, x in enumerate(leaves)]
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, weights))
+
+
 def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtype: str) -> list[dict[str, Any]]:
     """The expert products of one MoE layer for this many tokens (tokens x experts-per-token rows), in and out."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from granite_jax import cpu_kernels
+    from granite_jax import ops
+    from granite_jax.model import expert_linear
     from granite_jax.presets import released_config
 
     cfg = released_config(name)
@@ -258,15 +300,16 @@ def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtyp
     rng = np.random.default_rng(0)
     rows, out, size = tokens * k, [], jnp.dtype(dtype).itemsize
     for K, N in ((H, 2 * F), (F, H)):  # input_linear (E, H, 2F), output_linear (E, F, H)
-        w = jnp.asarray(rng.standard_normal((E, K, N)), dtype)
-        x = jnp.asarray(rng.standard_normal((rows, K)), dtype)
+        w, x = random_array((E, K, N), dtype), random_array((rows, K), dtype, seed=-1)
         count = max(1, -(-chain_bytes // (min(rows, E) * K * N * size)))
         ids = [np.stack([rng.choice(E, k, replace=False) for _ in range(tokens)]).reshape(-1) for _ in range(count)]
         distinct = sum(len(np.unique(e)) for e in ids)
         ids = [jax.device_put(e.astype(np.int32)) for e in ids]
-        kernel = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_kernel(x, w, e) for e in ids))
-        xla = jax.jit(lambda x, w, ids: sum(cpu_kernels._expert_xla(x, w, e) for e in ids))
-        calls = {"kernel": functools.partial(kernel, x, w, ids), "xla": functools.partial(xla, x, w, ids)}
+        fns = {
+            impl: jax.jit(ops.under(runtime, lambda x, w, ids: sum(expert_linear(x, w, e) for e in ids)))
+            for impl, runtime in runtimes().items()
+        }
+        calls = {impl: functools.partial(fn, x, w, ids) for impl, fn in fns.items()}
         best = best_times(calls, repeats)
         flops = 2 * count * rows * K * N
         gflop_s = {f"{impl}_gflop_s": flops / best[impl] / 1e9 for impl in ("kernel", "xla")}
@@ -277,13 +320,13 @@ def measure_experts(name: str, tokens: int, chain_bytes: int, repeats: int, dtyp
 
 def measure_attention(name: str, rows: int, context: int, chain_bytes: int, repeats: int) -> dict[str, Any]:
     """One query token per row over `context` filled slots of one attention layer's float32 KV cache (the float32
-    model's), through enough layers' caches to overflow the CPU's: the kernel (`model.attend_cache` on a CPU) vs XLA's
-    blocks (`model._attend_blocks`)."""
+    model's), through enough layers' caches to overflow the CPU's (`model.attend_cache`): the kernel vs XLA's
+    online-softmax blocks."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from granite_jax import model
+    from granite_jax import model, ops
     from granite_jax.presets import released_config
 
     cfg = released_config(name)
@@ -299,12 +342,11 @@ def measure_attention(name: str, rows: int, context: int, chain_bytes: int, repe
     q = jax.device_put(rng.standard_normal((rows, 1, kv, rep, hd), np.float32))
     slot, pad = jnp.array([context - 1], jnp.int32), jnp.zeros((rows,), jnp.int32)
 
-    def layers(attend):  # every cache, the positions rebuilt inside (a Positions is not a jit argument)
-        return jax.jit(lambda q, cs, slot, pad: sum(attend(q, c, model.Positions(slot, pad)) for c in cs))
+    def layers(q, caches, slot, pad):  # every cache, the positions rebuilt inside (a Positions is not a jit argument)
+        return sum(model.attend_cache(q, c, model.Positions(slot, pad), scale) for c in caches)
 
-    kernel = layers(lambda q, c, pos: model.attend_cache(q, c, pos, scale))
-    xla = layers(lambda q, c, pos: model._attend_blocks(q, c, pos, scale, None))
-    calls = {impl: functools.partial(fn, q, caches, slot, pad) for impl, fn in (("kernel", kernel), ("xla", xla))}
+    fns = {impl: jax.jit(ops.under(runtime, layers)) for impl, runtime in runtimes().items()}
+    calls = {impl: functools.partial(fn, q, caches, slot, pad) for impl, fn in fns.items()}
     best = best_times(calls, repeats)
     return dict(
         rows=rows,
@@ -319,10 +361,10 @@ def measure_attention(name: str, rows: int, context: int, chain_bytes: int, repe
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from granite_jax import cpu_kernels
+    from granite_jax import cpu
 
-    if not cpu_kernels.available():
-        print(f"error: the kernels are not available here: {cpu_kernels.unavailable_reason()}", file=sys.stderr)
+    if not cpu.available():
+        print(f"error: the kernels are not available here: {cpu.unavailable_reason()}", file=sys.stderr)
         return 2
     results, updates, mamba, experts, attention = [], [], [], [], []
     if "products" in args.parts:

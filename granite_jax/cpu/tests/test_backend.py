@@ -41,17 +41,6 @@ def kernels_in(text: str) -> set[str]:
     return set(found) & set(build.TARGETS)
 
 
-def under(runtime: Runtime, fn):
-    """`fn` traced with `runtime`'s choices."""
-
-    @functools.wraps(fn)
-    def traced(*args):
-        with ops.using(runtime):
-            return fn(*args)
-
-    return traced
-
-
 def lowered(fn, *args, platform: str = "cpu") -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
@@ -59,14 +48,14 @@ def lowered(fn, *args, platform: str = "cpu") -> str:
 def check_routing(fn, args, expected: set[str]) -> None:
     """Under `Runtime()` on CPUs, `fn(*args)` calls the kernels `expected` (none where they do not run); lowered for
     CUDA, or under `Runtime(kernels=False)`, none."""
-    assert kernels_in(lowered(under(Runtime(), fn), *args)) == (expected if RUNS else set())
-    assert not kernels_in(lowered(under(Runtime(), fn), *args, platform="cuda"))
-    assert not kernels_in(lowered(under(PLAIN, fn), *args))
+    assert kernels_in(lowered(ops.under(Runtime(), fn), *args)) == (expected if RUNS else set())
+    assert not kernels_in(lowered(ops.under(Runtime(), fn), *args, platform="cuda"))
+    assert not kernels_in(lowered(ops.under(PLAIN, fn), *args))
 
 
 def outputs(fn, *args, runtime: Runtime | None = None):
     """`fn(*args)` jitted under `runtime` (default `Runtime()`), as numpy."""
-    return jax.tree.map(np.asarray, jax.jit(under(runtime or Runtime(), fn))(*args))
+    return jax.tree.map(np.asarray, jax.jit(ops.under(runtime or Runtime(), fn))(*args))
 
 
 def rounding(dtype) -> float:
@@ -159,12 +148,12 @@ def test_widened_weights_are_exact_and_wait_for_their_product():
             x = jnp.tanh(model.linear(x, w))
         return x
 
-    assert kernels_in(lowered(under(Runtime(), chain), x, ws)) == {"granite_widen"}
+    assert kernels_in(lowered(ops.under(Runtime(), chain), x, ws)) == {"granite_widen"}
     want = np.asarray(x, np.float64)
     for w in ws:
         want = np.tanh(want @ np.asarray(w, np.float64).T)
     np.testing.assert_allclose(outputs(chain, x, ws), want, rtol=1e-4, atol=1e-5)
-    temp = jax.jit(under(Runtime(), chain)).trace(x, ws).lower().compile().memory_analysis().temp_size_in_bytes
+    temp = jax.jit(ops.under(Runtime(), chain)).trace(x, ws).lower().compile().memory_analysis().temp_size_in_bytes
     assert temp < 4 * 64 * 64 * 4  # a few float32 weights at a time, not eight
 
 
@@ -289,7 +278,7 @@ def test_greedy_inside_a_sampling_step_is_the_kernel():
     # sample_tokens picks greedy or a draw at run time (lax.cond): both are in the program, the greedy one the kernel's.
     params = SamplingConfig().device_params()
     logits = np.zeros((2, 64), np.float32)
-    text = lowered(under(Runtime(), sampling.sample_tokens), logits, params, np.int32(0))
+    text = lowered(ops.under(Runtime(), sampling.sample_tokens), logits, params, np.int32(0))
     assert kernels_in(text) == ({"granite_greedy"} if RUNS else set())
 
 
@@ -329,7 +318,7 @@ def test_float64_ssd_step_is_plain_jax_and_exact():
     args = ssm_inputs(2, 4, 8, 1, 16, dtype=np.float64)
     with jax.enable_x64(True):
         args = (args[0].astype(np.float64), *args[1:])
-        assert not kernels_in(lowered(under(Runtime(), ssd.ssd_step), *args))
+        assert not kernels_in(lowered(ops.under(Runtime(), ssd.ssd_step), *args))
         y, s = outputs(ssd.ssd_step, *args)
         state, x, dt, A, B, C, D = (jnp.asarray(a) for a in args)
         y_ref, s_ref = ssd.ssd_reference(x[:, None], dt[:, None], A, B[:, None], C[:, None], D, initial_state=state)
@@ -366,7 +355,7 @@ def test_ssd_chunk_on_cpus_is_64_and_other_platforms_keep_the_configs(monkeypatc
         results[chunk, runtime] = outputs(lambda *a, c=chunk: ssd.ssd(*a, chunk_size=c), *args, runtime=runtime)
         expected = {chunk, 64} if runtime.kernels and RUNS and chunk > 64 else {chunk}  # both branches are traced
         assert set(seen) == expected, (chunk, runtime)
-    ssd_256 = under(Runtime(), lambda *a: ssd.ssd(*a, chunk_size=256))
+    ssd_256 = ops.under(Runtime(), lambda *a: ssd.ssd(*a, chunk_size=256))
     cpu, cuda = (lowered(ssd_256, *args, platform=platform) for platform in ("cpu", "cuda"))
     assert ("x64x64x" in cpu) == RUNS and "x256x256x" in cuda and "x64x64x" not in cuda
     for got, want in zip(results[256, Runtime()], results[256, PLAIN], strict=True):
