@@ -311,11 +311,11 @@ def bench_split(d: Dims, dtype, min_seconds: float) -> list[dict]:
     x, dt, A, B, C, D = ssd_inputs(d, dtype)
     cfg, chunk = prefill.PrefillConfig(), prefill.kernel_chunk(d.chunk)
     dt_args = dict(bias=None, softplus=False, limit=(0.0, math.inf))
-    local_fn = jax.jit(lambda x, dt, A, B: prefill._local_states(x, dt, A, B, chunk, cfg, **dt_args))
+    local_fn = jax.jit(lambda x, dt, A, B: prefill.local_states(x, dt, A, B, chunk, cfg, **dt_args))
     pass_fn = jax.jit(
-        lambda local, rows: prefill._pass_states(local, rows, None, chunk, cfg, prefill.operand_dtype(x.dtype))
+        lambda local, rows: prefill.pass_states(local, rows, None, chunk, cfg, prefill.operand_dtype(x.dtype))
     )
-    outputs = jax.jit(lambda *args: prefill._chunk_outputs(*args, chunk, cfg, jnp.float32))
+    outputs = jax.jit(lambda *args: prefill.chunk_outputs(*args, chunk, cfg, jnp.float32))
     results, times = [], {}
     try:
         local, dt_rows, decay_rows = local_fn(x, dt, A, B)

@@ -1,9 +1,11 @@
 """granite-jax: IBM Granite 4.0 (GraniteMoeHybrid) in JAX / Flax NNX.
 
-from granite_jax import load_model, Generator, SamplingConfig
-model = load_model("path/to/checkpoint")          # Hugging Face safetensors, or orbax (python -m granite_jax.convert)
-logits = model(tokens)                            # (b, T) int32 -> (b, T, vocab)
-Generator("path/to/checkpoint").generate("Hello", SamplingConfig(max_new_tokens=32))
+    from granite_jax import load_model, Generator, SamplingConfig
+    model = load_model("path/to/checkpoint")      # Hugging Face safetensors, or orbax (python -m granite_jax.convert)
+    logits = model(tokens)                        # (b, T) int32 -> (b, T, vocab)
+    Generator("path/to/checkpoint").generate("Hello", SamplingConfig(max_new_tokens=32))
+
+How a model runs (the SSD implementation, platform kernels) is its `Runtime`, apart from what it is (`ModelConfig`).
 """
 
 from granite_jax.checkpoint import CheckpointError, load_model, save_checkpoint

@@ -19,6 +19,9 @@ Per head, with a_t = dt_t * A and, inside chunk c, the cumulative log-decay s_t 
    C_m @ B_k^T is computed once per program and shared by its heads; causal k-blocks above the diagonal are skipped.
    This fuses the reference's kernels 4 (C B^T) and 5 (chunk scan).
 
+`ssd_prefill` runs them in order; each also runs alone (`local_states`, `pass_states`, `chunk_outputs`), so that
+its time can be measured (`benchmarks/gpu_ssd.py`).
+
 Kernels 1 and 2 are two, not one kernel walking each head's whole sequence in order with the state, because the walk
 is sequential where the chunk-local states are not: on an H200 at h-tiny dims (batch 1, bf16, 8k tokens) the walk
 took 141 us of a 361 us SSD, the two kernels 103 us of a 271 us one (docs/kernels.md).
@@ -140,9 +143,9 @@ def ssd_prefill(
         initial_state = pad_axis(pad_axis(initial_state.astype(F32), 2, pp), 3, nn)
     dt_args = dict(bias=dt_bias, softplus=bool(dt_softplus), limit=limit)
 
-    local, dt_rows, decay_rows = _local_states(x, dt, A, B, chunk, cfg, **dt_args)
-    states_in, final = _pass_states(local, decay_rows, initial_state, chunk, cfg, operand_dtype(x.dtype))
-    y = _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg, out_dtype)
+    local, dt_rows, decay_rows = local_states(x, dt, A, B, chunk, cfg, **dt_args)
+    states_in, final = pass_states(local, decay_rows, initial_state, chunk, cfg, operand_dtype(x.dtype))
+    y = chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg, out_dtype)
     if pp != p:
         y = y[..., :p]
     if (pp, nn) != (p, n):
@@ -181,7 +184,7 @@ def _check_shapes(x, dt, A, B, C, D, initial_state, dt_bias) -> None:
 # ---------------------------------------------------------------------------------------------- kernels 1 and 2: states
 
 
-def _local_states(x, dt, A, B, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
+def local_states(x, dt, A, B, chunk, cfg: PrefillConfig, *, bias, softplus, limit):
     """Each chunk's state from a zero state (b, c, h, p, n), float32, and dt and the in-chunk decay cumsum (b, h, L').
 
     One program per (batch x chunk, head, block of the state); the dt bias is not passed at all when absent.
@@ -291,7 +294,7 @@ def _local_state_kernel(*refs, length, chunk, block_k, op_dtype, has_bias, softp
     local_ref[...], _ = jax.lax.fori_loop(0, chunk // block_k, step, zero)
 
 
-def _pass_states(local, decay_rows, initial, chunk, cfg: PrefillConfig, op_dtype):
+def pass_states(local, decay_rows, initial, chunk, cfg: PrefillConfig, op_dtype):
     """The states entering each chunk (b, c, h, p, n) in `op_dtype`, and the final state (b, h, p, n) in float32,
     from the chunk-local states: entering_{c+1} = exp(S_c) * entering_c + local_c, S_c the chunk's total log-decay
     (the last entry of its decay cumsum row: padded rows add nothing). One program per (batch, head, block of
@@ -353,7 +356,7 @@ def _divisor_at_most(n: int, k: int) -> int:
     return max(d for d in range(1, min(n, max(k, 1)) + 1) if n % d == 0)
 
 
-def _chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg: PrefillConfig, out_dtype):
+def chunk_outputs(x, B, C, D, dt_rows, decay_rows, states_in, chunk, cfg: PrefillConfig, out_dtype):
     """y (b, L, h, p): inter-chunk term from the entering states, causal diagonal term, D skip."""
     b, length, h, p = x.shape
     g, n = B.shape[2:]

@@ -104,7 +104,7 @@ class Generator:
     prefill_chunk: longest prompt segment run in one call (bounds prefill memory).
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
-    decode_chunk: decode steps per call (1: one call per token).
+    decode_chunk: decode steps per call (1: one call per token). progress: a progress bar while the weights load.
     The weights are taken once: a Generator over a model whose weights change afterwards keeps the old ones.
     """
 
