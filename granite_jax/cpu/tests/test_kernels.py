@@ -473,38 +473,3 @@ def test_decode_attention_without_a_slot_gives_zeros():
     got = np.asarray(kernel_attention(q, k, v, pad, np.int32(20)))
     assert np.all(got[1] == 0)
     assert rel(got[:1], attention_float64(q[:1], k[:1], v[:1], np.array([20]), pad[:1], 0.3)) < 1e-5
-
-
-# ---------------------------------------------------------------------------------------------- greedy
-
-
-def test_greedy_equals_argmax_with_ties_infinities_and_nans():
-    rows = np.random.default_rng(0).standard_normal((9, 100352)).astype(np.float32)
-    rows[1, [5, 70000]] = 9.0  # a tie: the first
-    rows[2] = -np.inf  # nothing finite: token 0
-    rows[3, [3, 80000]] = np.inf
-    rows[4, [100, 90000]] = np.nan  # a NaN wins, the first one (jnp.argmax's rule)
-    rows[5, [200, 300]] = [np.inf, np.nan]
-    rows[6, -1] = 50.0  # the last token
-    rows[7] = 0.0  # all equal
-    rows[8, :-1] = -np.inf
-    rows[0, 9] = -np.float32(np.nan)  # a NaN with the sign bit set
-    got = jax.jit(kernels.greedy)(jnp.asarray(rows))
-    assert got.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(got), np.argmax(rows, axis=-1))  # numpy's argmax has the same rules
-    assert np.asarray(got).tolist() == [9, 5, 0, 3, 100, 300, 100351, 0, 100351]
-
-
-@pytest.mark.parametrize("vocab", [1, 5, 13, 27])  # no whole vector, and whole vectors with a tail
-def test_greedy_of_short_rows_and_tails(vocab):
-    rng = np.random.default_rng(vocab)
-    rows = rng.standard_normal((6, vocab)).astype(np.float32)
-    rows[1, -1] = 9.0  # the largest is the last
-    rows[2, [0, -1]] = 9.0  # a tie between the first and the last: the first
-    rows[3, -1] = np.nan  # a NaN in the tail
-    rows[4] = -np.inf
-    greedy = jax.jit(kernels.greedy)
-    np.testing.assert_array_equal(np.asarray(greedy(jnp.asarray(rows))), np.argmax(rows, axis=-1))
-    # +0 ranks above -0 (as the plain-JAX op's order-preserving int keys do), which numpy's argmax counts as equal
-    zeros = np.array([[-0.0, 0.0] + [-1.0] * (vocab - 2)] if vocab >= 2 else [[-0.0]], np.float32)
-    assert np.asarray(greedy(jnp.asarray(zeros))).tolist() == [1 if vocab >= 2 else 0]
