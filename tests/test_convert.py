@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -99,14 +103,159 @@ def test_empty_output_dir_accepted(tiny_checkpoint, tmp_path):
     checkpoint.read_marker(out)
 
 
-def test_interrupted_conversion_leaves_nothing(tiny_checkpoint, tmp_path, monkeypatch):
-    def interrupted(*args):
-        raise KeyboardInterrupt
+@pytest.mark.parametrize(
+    ("when", "out_was"),
+    [("before", "missing with its parent"), ("after", "missing with its parent"), ("after", "empty")],
+)
+def test_an_interrupt_around_the_rename_leaves_the_output_as_it_was(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys, when, out_was
+):
+    out = tmp_path / "parent" / "out" if out_was == "missing with its parent" else tmp_path / "out"
+    if out_was == "empty":
+        out.mkdir()
+    publish = checkpoint._publish
+
+    def interrupted(tmp, out):
+        if when == "after":
+            publish(tmp, out)
+        signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(checkpoint, "_publish", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    assert convert.main(["--model", tiny_checkpoint, "--out", str(out), "--quiet"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [convert.INTERRUPTED]
+    if out_was == "empty":
+        assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == []
+    else:
+        assert os.listdir(tmp_path) == []
+
+
+class _Finaliser:
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)  # its KeyboardInterrupt is raised here, where Python can only print it
+
+
+def _swallowed_interrupt() -> None:
+    try:
+        signal.raise_signal(signal.SIGINT)
+    except KeyboardInterrupt:  # a library that catches everything
+        pass
+
+
+@pytest.mark.parametrize("where", ["finaliser", "swallowed"])
+def test_an_interrupt_python_drops_still_ends_the_conversion(tmp_path, monkeypatch, capsys, where):
+    def converted(model_dir, out_dir, **kwargs):
+        _Finaliser() if where == "finaliser" else _swallowed_interrupt()
+        return os.fspath(out_dir)
+
+    monkeypatch.setattr(convert, "convert", converted)
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook
+    assert convert.main(["--model", "m", "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [convert.INTERRUPTED]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook) == handlers
+
+
+def _start_conversion(model_dir: str, out) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "granite_jax.convert", "--model", model_dir, "--out", str(out), "--quiet"]
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}  # SIGABRT: every thread's traceback
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _reached(moment: str, proc: subprocess.Popen, model_dir: str, partial: str) -> bool:
+    if moment == "load":  # the safetensors file is mapped while it is read
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/maps") as f:
+            return os.path.join(os.path.realpath(model_dir), "model.safetensors") in f.read()
+        return False
+    names = set(os.listdir(partial)) if os.path.isdir(partial) else set()
+    if moment == "save":  # orbax's own temporary directory for state/
+        return any(n.startswith(checkpoint.STATE_DIR) for n in names)
+    side_files = {n for n in os.listdir(model_dir) if not n.endswith(".safetensors")}
+    return side_files <= names  # copied, the last step before the marker and the rename
+
+
+def _wait_for(moment: str, proc: subprocess.Popen, model_dir: str, out) -> str:
+    """Poll until the conversion `proc` reaches `moment`; returns its partial directory.
+
+    As soon as the partial directory appears, the test puts a FIFO where the completion marker goes and never opens
+    it: writing the marker blocks, so the conversion cannot get to the rename before the test's signal."""
+    partial, deadline = checkpoint.partial_dir(out, proc.pid), time.monotonic() + 120
+    gate = os.path.join(partial, checkpoint.MARKER)
+    while not _reached(moment, proc, model_dir, partial):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the conversion did not reach the {moment} (exit status {proc.wait()}): {proc.stderr.read()}")
+        if os.path.isdir(partial) and not os.path.lexists(gate):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: the conversion failed
+                os.mkfifo(gate)
+        time.sleep(0.001)
+    return partial
+
+
+def _ended(proc: subprocess.Popen, gate: str) -> str:
+    """The stderr of `proc` once it has ended after a signal.
+
+    The kernel may deliver a process's signal to a thread other than the main one (one that is running, when the main
+    thread has another signal pending). Python then runs the handler at the main thread's next bytecode, which never
+    comes while it is blocked on the test's FIFO gate (a real conversion never blocks there): the gate is opened if the
+    conversion has not ended. One that still does not end is aborted, and the failure shows each thread's traceback."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return proc.communicate(timeout=20)[1]
+    with contextlib.suppress(FileNotFoundError, OSError):
+        os.close(os.open(gate, os.O_RDONLY | os.O_NONBLOCK))  # the writer's open returns; its write then fails
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        return proc.communicate(timeout=40)[1]
+    proc.send_signal(signal.SIGABRT)
+    pytest.fail(f"the conversion did not end after the signal: {proc.communicate()[1][-6000:]}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux: FIFOs and /proc/PID/maps")
+@pytest.mark.parametrize(
+    ("moment", "signum"),
+    [("load", signal.SIGTERM), ("save", signal.SIGINT), ("save", signal.SIGTERM), ("publish", signal.SIGTERM)],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_an_interrupt_leaves_nothing_and_says_so_in_one_line(tiny_checkpoint, tmp_path, moment, signum):
+    proc = _start_conversion(tiny_checkpoint, tmp_path / "out")
+    try:
+        partial = _wait_for(moment, proc, tiny_checkpoint, tmp_path / "out")
+        proc.send_signal(signum)
+        err = _ended(proc, os.path.join(partial, checkpoint.MARKER))
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip().splitlines() == [convert.INTERRUPTED], err[-3000:]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux: FIFOs")
+def test_a_partial_left_by_a_killed_conversion_is_removed_by_the_next(tiny_checkpoint, tmp_path):
+    out = tmp_path / "out"
+    proc = _start_conversion(tiny_checkpoint, out)
+    try:
+        partial = _wait_for("save", proc, tiny_checkpoint, out)
+    finally:
+        proc.kill()  # SIGKILL: no handler runs
+        proc.communicate()
+    assert os.path.isfile(os.path.join(partial, checkpoint.PARTIAL_OWNER))
+    cmd = [sys.executable, "-m", "granite_jax.convert", "--model", tiny_checkpoint, "--out", str(out), "--quiet"]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"JAX_PLATFORMS": "cpu"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines() == [
+        f"granite_jax.convert: removed a partial conversion left by an interrupted run: {partial}"
+    ]
+    assert os.listdir(tmp_path) == ["out"] and checkpoint.read_marker(out)["num_params"] > 0
+
+
+@pytest.mark.parametrize("writer", ["running", "unknown"])
+def test_a_partial_conversion_that_may_be_in_progress_is_refused_with_the_command(tiny_checkpoint, tmp_path, writer):
+    partial = checkpoint.partial_dir(tmp_path / "out", 1)
+    os.mkdir(partial)
+    if writer == "running":  # pid 1, init: always running
+        owner = {"pid": 1, "host": socket.gethostname()}
+        with open(os.path.join(partial, checkpoint.PARTIAL_OWNER), "w") as f:
+            json.dump(owner, f)
+    with pytest.raises(CheckpointError) as info:
         convert.convert(tiny_checkpoint, tmp_path / "out")
-    assert os.listdir(tmp_path) == []  # neither the output nor the temporary sibling
+    assert str(info.value).endswith(f"remove it: rm -rf {partial}") and len(str(info.value).splitlines()) == 1
+    assert os.listdir(tmp_path) == [os.path.basename(partial)]
 
 
 @pytest.mark.parametrize("where", ["no_marker", "killed_partial"])

@@ -7,9 +7,11 @@ Layout of a checkpoint directory::
     DIR/state/                          orbax: `nnx.to_pure_dict(nnx.state(model))`
     DIR/granite_jax_checkpoint.json     completion marker, written last
 
-Everything is written into a hidden sibling directory that is renamed to DIR only once the marker is in place, so an
-interrupted save leaves no directory that could be taken as a complete checkpoint; loading a directory with `state/`
-but without the marker is refused.
+Everything is written into a hidden sibling directory, `.DIR.partial-PID`, that is renamed to DIR only once the marker
+is in place, so an interrupted save leaves no directory that could be taken as a complete checkpoint; loading a
+directory with `state/` but without the marker is refused. An interrupted save removes its partial directory; one left
+by a killed process names its writer in an owner file, so that the next conversion into DIR can tell whether it was
+abandoned (`remove_abandoned_partials`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import functools
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
+import signal
+import socket
 import sys
-import tempfile
+import threading
 import time
 import traceback
 from typing import Any
@@ -37,6 +43,7 @@ from granite_jax.model import Granite, abstract_model, count_params, weight_dtyp
 from granite_jax.ops import Runtime
 
 MARKER = "granite_jax_checkpoint.json"
+PARTIAL_OWNER = ".granite_jax_partial.json"  # in a partial save only: the pid and host of the process writing it
 STATE_DIR = "state"
 FORMAT = "granite-jax-orbax"
 VERSION = 2  # 2: linear weights stored (out, in)
@@ -87,25 +94,18 @@ def save_checkpoint(
 
     `copy_from`: a Hugging Face checkpoint directory whose non-weight files (config.json, tokenizer, chat template,
     generation config) are copied beside the weights; without it, config.json is written from `model.cfg`.
+    Everything is written into `partial_dir(out_dir)`, removed if anything (an interrupt included) stops the save.
     """
     out = os.path.abspath(os.fspath(out_dir))
     check_writable(out)
-    parent = os.path.dirname(out)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(f"{out}: cannot create its parent directory ({e.strerror})") from None
-    try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
-    except OSError as e:  # what check_writable cannot see (root on a read-only file system, say)
-        raise CheckpointError(f"{out}: cannot write in {parent} ({e.strerror})") from None
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; the result should look like any new directory
+    tmp = _make_partial_dir(out)
     try:
         _write_state(model, os.path.join(tmp, STATE_DIR))
         copied = _copy_side_files(copy_from, tmp) if copy_from is not None else []
         if "config.json" not in copied:
             _write_json(os.path.join(tmp, "config.json"), model.cfg.to_hf_dict())
         _write_json(os.path.join(tmp, MARKER), _marker(model, source or (copy_from and os.fspath(copy_from))))
+        os.remove(os.path.join(tmp, PARTIAL_OWNER))  # only a partial save says who writes it
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -116,7 +116,11 @@ def save_checkpoint(
 def check_writable(out_dir: str | os.PathLike) -> None:
     """Refuse an output path that is a file or a non-empty directory, or whose parent cannot take it."""
     out = os.fspath(out_dir)
-    if os.path.isdir(out) and os.listdir(out):
+    try:
+        entries = os.listdir(out) if os.path.isdir(out) else []
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot read the output directory ({e.strerror})") from None
+    if entries:
         raise CheckpointError(f"{out}: output directory is not empty; choose a new directory or empty this one")
     if os.path.exists(out) and not os.path.isdir(out):
         raise CheckpointError(f"{out}: exists and is not a directory")
@@ -127,9 +131,106 @@ def check_writable(out_dir: str | os.PathLike) -> None:
         raise CheckpointError(f"{out}: cannot create it in {ancestor} (not a writable directory)")
 
 
+def partial_dir(out_dir: str | os.PathLike, pid: int | None = None) -> str:
+    """The hidden sibling `.NAME.partial-PID` in which process `pid` (default: this one) writes a save into `out_dir`.
+
+    The pid in the name lets the writer find its own directory again after an interrupt wherever it landed (even
+    between creating it and knowing its name), and keeps concurrent writers apart."""
+    out = os.path.abspath(os.fspath(out_dir))
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{pid or os.getpid()}")
+
+
+def remove_abandoned_partials(out_dir: str | os.PathLike) -> list[str]:
+    """Remove the partial saves into `out_dir` whose writer is gone, and return their paths; refuse any other.
+
+    A save killed where nothing can clean up (SIGKILL, a crash, power loss) leaves its `.NAME.partial-*` sibling
+    behind. It is removed only when its owner file (`PARTIAL_OWNER`) says it was written on this host by a process that
+    no longer exists: then nothing will ever finish it. One whose writer is still running may be a conversion into the
+    same target, and one without a readable owner file (written on another host sharing the file system, or by an
+    older granite-jax) cannot be told from one; removing either could destroy work in progress, so the error says why
+    and gives the command that removes it, and the user decides.
+    """
+    out = os.path.abspath(os.fspath(out_dir))
+    removed = []
+    for path in _partial_dirs(out):
+        reason = _why_not_abandoned(path)
+        if reason is None:
+            try:
+                shutil.rmtree(path)
+                removed.append(path)
+                continue
+            except OSError as e:
+                reason = f"a partial conversion left by an interrupted run, which cannot be removed ({e.strerror})"
+        raise CheckpointError(
+            f"{path}: {reason}; if no conversion into {out} is running, remove it: rm -rf {shlex.quote(path)}"
+        )
+    return removed
+
+
+def _partial_dirs(out: str) -> list[str]:
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    pattern = re.compile(rf"\.{re.escape(name)}\.partial-[^.]+")  # not the partials of `NAME.partial-X`, a sibling
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:  # no parent yet: no partial either
+        return []
+    return [os.path.join(parent, n) for n in names if pattern.fullmatch(n) and os.path.isdir(os.path.join(parent, n))]
+
+
+def _why_not_abandoned(path: str) -> str | None:
+    """None if the partial save `path` was written on this host by a process that has ended; else why it may not be."""
+    try:
+        owner = read_json_object(os.path.join(path, PARTIAL_OWNER), CheckpointError)
+    except CheckpointError:
+        return "a partial conversion whose writer is unknown (it has no readable owner file)"
+    pid, host = owner.get("pid"), owner.get("host")
+    if host != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return f"a partial conversion written by process {pid} on host {host}, which cannot be checked from here"
+    if _running(pid):
+        return f"a partial conversion by process {pid}, which is running"
+    return None
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():  # this process writes no save yet: a directory with its pid is an earlier process's
+        return False
+    if os.name != "posix":  # os.kill(pid, 0) is a liveness probe on POSIX only
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _make_partial_dir(out: str) -> str:
+    """Create this process's partial directory for `out`, with the owner file `remove_abandoned_partials` reads."""
+    parent, tmp = os.path.dirname(out), partial_dir(out)
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{out}: cannot create its parent directory ({e.strerror})") from None
+    try:
+        os.mkdir(tmp)  # the umask applies: the finished checkpoint looks like any new directory
+    except FileExistsError:
+        raise CheckpointError(
+            f"{tmp}: a partial save left by an earlier process with this pid; remove it: rm -rf {shlex.quote(tmp)}"
+        ) from None
+    except OSError as e:  # what check_writable cannot see (root on a read-only file system, say)
+        raise CheckpointError(f"{out}: cannot write in {parent} ({e.strerror})") from None
+    try:
+        _write_json(os.path.join(tmp, PARTIAL_OWNER), {"pid": os.getpid(), "host": socket.gethostname()})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
 def _write_state(model: Granite, path: str) -> None:
     state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    with _quiet_orbax(), _checkpointer() as ck:
+    with _interrupts_deferred(), _quiet_orbax(), _checkpointer() as ck:
         ck.save(path, state)
         ck.wait_until_finished()
 
@@ -162,10 +263,27 @@ def _write_json(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold SIGINT and SIGTERM back while orbax writes; once it is done, deliver the first to the handler before.
+
+    Orbax writes from worker threads, which a KeyboardInterrupt in the main thread does not stop: they would go on
+    writing into the directory the interrupted save removes, re-create parts of it, and print a traceback each as
+    they fail. Only the main thread may set signal handlers; elsewhere nothing is deferred.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or None in map(signal.getsignal, signals):
+        yield  # (None: a handler set outside Python, which could not be put back)
+        return
+    held: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if held:
+            signal.raise_signal(held[0])
 
 
 def _publish(tmp: str, out: str) -> None:
