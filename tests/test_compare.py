@@ -199,3 +199,80 @@ def test_leading_agreement_counts_tokens_before_the_first_difference():
     assert compare.leading_agreement([1, 2, 3], [1, 2, 4]) == 2
     assert compare.leading_agreement([1, 2], [1, 2, 3]) == 2  # a shorter row agreeing throughout
     assert compare.leading_agreement([5], [6]) == 0 and compare.leading_agreement([], [1]) == 0
+
+
+# ---------------------------------------------------------------------------------------------- plot and summary
+
+
+def _results(dtype: str, rel_errs: list[float], vs_f32: list[tuple[float, float]] = ()) -> dict:
+    """compare's results as `figure` reads them: layers 0-3 (1 attention) and the logits, one speed row."""
+    kinds = ["mamba", "attention", "mamba", "mamba + final norm", ""]
+    rows = [
+        dict(layer=layer, kind=kind, max_abs_err=10 * e, rel_err=e, max_abs=10.0)
+        for layer, kind, e in zip(["0", "1", "2", "3", "logits"], kinds, rel_errs, strict=True)
+    ]
+    for row, (ours, theirs) in zip(rows, vs_f32):
+        row |= dict(jax_rel_err_vs_f32=ours, hf_rel_err_vs_f32=theirs)
+    side = lambda prefill, decode: dict(prefill_tokens_per_s=prefill, decode_tokens_per_s=decode)
+    speed = dict(batch=1, prompt_len=16, new_tokens=4, jax=side(900.0, 90.0), hf=side(300.0, 45.0))
+    return dict(
+        model="synthetic",
+        dtype=dtype,
+        layer_errors=rows,
+        error_summary=compare.error_summary(rows, compare.parity_tolerance(dtype)),
+        speed=[speed | dict(prefill_speedup=3.0, decode_speedup=2.0)],
+    )
+
+
+def _legend_colours(ax) -> set[tuple[str, str]]:
+    """(label, colour) of each legend entry: a bar series' face colour or a line's colour."""
+    from matplotlib.colors import to_hex
+
+    handles, labels = ax.get_legend_handles_labels()
+    colour = lambda h: to_hex(h.patches[0].get_facecolor() if hasattr(h, "patches") else h.get_color())
+    return {(label, colour(h)) for h, label in zip(handles, labels, strict=True)}
+
+
+@pytest.mark.parametrize("worst", [3e-7, 5e-4])
+def test_error_panel_draws_the_tolerance_on_a_linear_axis_from_zero(worst):
+    # float32 errors of ~1e-7 against a 1e-4 tolerance must draw as slivers, not tall bars on a log axis starting
+    # just below them; an error over the tolerance stretches the axis so that its bar stands over the line.
+    from granite_jax.experiments.common import matplotlib_pyplot
+
+    fig = compare.figure(_results("float32", [4e-8, 2e-7, 6e-8, 1e-7, worst]))
+    ax = fig.axes[0]
+    tolerance = compare.parity_tolerance("float32")
+    (line,) = [line for line in ax.get_lines() if line.get_label().startswith("tolerance")]
+    assert list(line.get_ydata()) == [tolerance, tolerance]
+    bottom, top = ax.get_ylim()
+    assert ax.get_yscale() == "linear" and bottom == 0
+    assert max(tolerance, worst) <= top <= 1.2 * max(tolerance, worst)
+    tallest = max(bar.get_height() for bar in ax.patches)
+    assert tallest == worst
+    if worst < tolerance / 100:
+        assert tallest / top < 0.01
+    matplotlib_pyplot().close(fig)
+
+
+def test_each_colour_means_one_thing_in_every_panel():
+    from granite_jax.experiments.common import matplotlib_pyplot
+
+    vs_f32 = [(4e-3, 5e-3), (6e-3, 6e-3), (7e-3, 9e-3), (1e-2, 1e-2), (2e-2, 3e-2)]
+    fig = compare.figure(_results("bfloat16", [5e-3, 8e-3, 1e-2, 1.2e-2, 4e-2], vs_f32))
+    errors, speed = fig.axes
+    entries = _legend_colours(errors) | _legend_colours(speed)
+    assert len({label for label, _ in entries}) == len({colour for _, colour in entries}) == len(entries), entries
+    assert {"granite-jax", "transformers"} <= {label for label, _ in _legend_colours(errors)}
+    assert {"granite-jax", "transformers"} == {label for label, _ in _legend_colours(speed)}
+    matplotlib_pyplot().close(fig)
+
+
+def test_error_summary_maxima_are_the_max_of_every_row(compared):
+    _, results = compared
+    rows, summary = results["layer_errors"], results["error_summary"]
+    worst = max(rows, key=lambda r: r["rel_err"])
+    assert summary["max_rel_err"] == worst["rel_err"] >= summary["logits_rel_err"] == rows[-1]["rel_err"]
+    assert summary["worst_layer"] == compare.row_label(worst)
+    assert summary["max_abs_err"] == max(r["max_abs_err"] for r in rows)
+    assert summary["tolerance"] == 1e-4 and summary["within_tolerance"]
+    assert f"| max relative error (worst: {summary['worst_layer']}) | | | " in compare.table(results)
