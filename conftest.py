@@ -60,6 +60,22 @@ def call_main(capsys):
     return call
 
 
+@pytest.fixture
+def edited_config(tmp_path):
+    """`edited_config(shipped_path, edit)` -> path of a config file whose get_config() is the shipped one's after
+    the Python statement `edit` (on `c`)."""
+
+    def write(shipped: str, edit: str) -> str:
+        path = tmp_path / "config.py"
+        path.write_text(
+            f"from granite_jax.cli import load_config\n\n\ndef get_config():\n    c = load_config({shipped!r})\n"
+            f"    {edit}\n    return c\n"
+        )
+        return str(path)
+
+    return write
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """`hf_checkpoint(**config_overrides)` -> directory of a random HF checkpoint with a tokenizer (cached)."""

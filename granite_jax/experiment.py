@@ -6,11 +6,14 @@
 A config file (ml_collections, `get_config()`) names the experiment and has four sections: `model` (a checkpoint
 directory, or random weights of a named architecture), `workload` (batch, prompt length, new tokens, dtype, SSD
 implementation, rewriter on/off), `measure` (repeats and experiment-specific switches) and `output_dir`. Any field can
-be overridden on the command line as `--config.SECTION.FIELD=VALUE`; values are type-checked and unknown fields are
-refused. Experiments: rewrite, parity, throughput, scaling (`granite_jax/experiments/`, docs/experiments.md).
+be overridden on the command line as `--config.SECTION.FIELD=VALUE`. Values are type-checked and unknown fields are
+refused, on the command line and in the file, which must have every field its experiment reads (`KIND_FIELDS`).
+Experiments: rewrite, parity, throughput, scaling (`granite_jax/experiments/`, docs/experiments.md).
 
 Writes into the output directory (default runs/<experiment>-<timestamp>): results.json (every number, the config
-used, the environment), results.md (the table) and PNG plots.
+used, the environment), results.md (the table) and PNG plots. Compiled programs are kept between runs in JAX's
+persistent cache, as by the other commands ($GRANITE_JAX_COMPILATION_CACHE: a directory, or off), except by the
+rewrite experiment, which measures compilation.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import time
 from typing import Any, NoReturn
 
 from absl import app
-from ml_collections import config_flags
+from ml_collections import config_dict, config_flags
 
-from granite_jax.cli import fail, flags_parser
+from granite_jax.cli import fail, flags_parser, use_compilation_cache
 from granite_jax.errors import InputError
 from granite_jax.experiments.common import (
     ExperimentError,
@@ -65,7 +68,33 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True,
 )
 PROG = "granite_jax.experiment"
-REQUIRED = tuple(default_config("").keys())  # fields a config file must have to be an experiment
+MEASURES_COMPILATION = ("rewrite",)  # experiments that time compilation: a cached program would hide it
+# The fields each kind of experiment reads besides `default_config`'s, and their types; with those, the schema a config
+# file must match (`config_schema`): the file sets their values (configs/experiments/<kind>.py: the defaults). Every
+# field of default_config is required of every kind: `run` checks the model, workload and measure sections before the
+# kind runs, so no section is unused. A field the kind does not read is refused, as on the command line.
+KIND_FIELDS: dict[str, dict[str, dict[str, type]]] = {
+    "rewrite": dict(measure=dict(naive_repeats=int, max_naive_seconds=float)),
+    "parity": dict(measure=dict(tolerance=float)),
+    "throughput": dict(
+        workload=dict(batch_sizes=tuple),
+        measure=dict(transformers=bool, floor_probe_mib=int, floor_pairs=int, torch_threads=int),
+    ),
+    "scaling": {},
+}
+
+
+def config_schema(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
+    """A new config with exactly the fields an experiment of `config`'s kind reads (values: placeholders and defaults,
+    types: what a file may set); ValueError for a kind that does not exist."""
+    kind = config["experiment"]
+    if not isinstance(kind, str) or kind not in EXPERIMENTS:
+        raise ValueError(f"experiment: {kind!r} is not one of {', '.join(EXPERIMENTS)}")
+    schema = default_config(kind)
+    for section, fields in KIND_FIELDS[kind].items():
+        for name, field_type in fields.items():
+            schema[section][name] = config_dict.placeholder(field_type)
+    return schema
 
 
 def run(config) -> str:
@@ -158,6 +187,8 @@ def main(argv: list[str]) -> None:
     if config is None:
         _fail("--config is required, e.g. --config configs/experiments/scaling.py")
     try:
+        if config.experiment not in MEASURES_COMPILATION:
+            use_compilation_cache(None)
         out = run(config)
     except InputError as e:  # ExperimentError, ConfigError, CheckpointError, GenerationError
         _fail(str(e))
@@ -166,7 +197,8 @@ def main(argv: list[str]) -> None:
     print(f"wrote {out}/results.json, results.md and plots")
 
 
-parse_flags = flags_parser(PROG, _CONFIG, REQUIRED, "an experiment")  # bad flags and configs: one line, exit 2
+# Bad flags and config files: one line, exit code 2.
+parse_flags = flags_parser(PROG, _CONFIG, "an experiment", "experiment", config_schema)
 
 
 def cli() -> None:

@@ -5,8 +5,8 @@
 
 Parameters and inputs are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`), so a report at full model size allocates
 nothing. This module is the only part of the package that knows about granite-jax; the rewriter itself finds the
-sites in whatever jaxpr it is given. A missing config file, an unknown field, a value of the wrong type or out of
-range ends with one line and exit code 2.
+sites in whatever jaxpr it is given. A missing config file, a field unknown or missing (in the file or an override),
+a value of the wrong type or out of range ends with one line and exit code 2.
 """
 
 from __future__ import annotations
@@ -29,8 +29,22 @@ from rewriter.site import Report
 TARGETS = ("mamba_layer", "ssd", "model")
 PROG = "rewriter.report"
 MAMBA_DIMS = ("hidden_size", "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_chunk_size")
-FIELDS = ("model", "target", "batch", "seq_len", "dtype", *MAMBA_DIMS, "min_flops", "min_dim", "fuse_chains")
-FIELDS += ("precision", "json_out")
+# The fields the report reads and their types: the schema a config file must match (configs/rewriter/*.py set the
+# values). Every target reads all of them: the Mamba dims make the model config that the ssd target takes its shapes
+# from.
+FIELD_TYPES: dict[str, type] = dict(
+    model=str,
+    target=str,
+    batch=int,
+    seq_len=int,
+    dtype=str,
+    **dict.fromkeys(MAMBA_DIMS, int),
+    min_flops=float,
+    min_dim=int,
+    fuse_chains=bool,
+    precision=object,  # a name ("auto", "highest", ...) or a jax.lax.Precision
+    json_out=str,
+)
 CONFIG_HELP = (
     "Report config file, e.g. configs/rewriter/h_tiny_mamba.py. Override any field with --config.FIELD=VALUE: "
     "model (a granite_jax.presets name supplying the architecture), target (mamba_layer: one naive Mamba-2 layer; "
@@ -39,6 +53,11 @@ CONFIG_HELP = (
     "mamba_chunk_size), the rewriter options (min_flops, min_dim: unset for the backend's default, fuse_chains, "
     "precision) and json_out (also save the report as JSON there). See docs/rewriter.md."
 )
+
+
+def config_schema() -> config_dict.ConfigDict:
+    """A new config with exactly the fields the report reads (`FIELD_TYPES`), all unset."""
+    return config_dict.ConfigDict({name: config_dict.placeholder(t) for name, t in FIELD_TYPES.items()})
 
 
 def model_config(c: config_dict.ConfigDict):
@@ -122,6 +141,7 @@ def main(argv: list[str]) -> None:
     if (problem := cli.output_file_problem("--config.json_out", c.json_out)) is not None:
         cli.fail(PROG, problem)
     try:
+        cli.use_compilation_cache(None)  # $GRANITE_JAX_COMPILATION_CACHE: a directory, or off
         report = report_for(c)
     except (ValueError, ConfigError) as e:
         cli.fail(PROG, str(e))
@@ -131,7 +151,14 @@ def main(argv: list[str]) -> None:
         print(f"saved {c.json_out}")
 
 
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> Callable[[list[str]], list[str]]:
+    """Define --config on `flag_values` and return the command's `app.run(flags_parser=)`: bad flags, config files
+    and overrides end with one line and exit code 2."""
+    config = config_flags.DEFINE_config_file("config", None, CONFIG_HELP, flag_values=flag_values)
+    schema = lambda _: config_schema()  # one kind of report config: the file does not choose its schema
+    return cli.flags_parser(PROG, config, "a rewriter report", "target", schema, flag_values=flag_values)
+
+
 if __name__ == "__main__":
     # Defined only when run as a command, so importing this module next to other absl commands defines no flags.
-    config = config_flags.DEFINE_config_file("config", None, CONFIG_HELP)
-    app.run(main, flags_parser=cli.flags_parser(PROG, config, FIELDS, "a rewriter report"))
+    app.run(main, flags_parser=define_flags())

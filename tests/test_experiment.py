@@ -88,7 +88,11 @@ def test_parity_quick_run(tmp_path):
     out, results, markdown = _run("configs/experiments/parity.py", tmp_path)
     assert results["config"]["experiment"] == "parity" and results["config"]["model"]["name"] == "tiny"
     assert [r["layer"] for r in results["rows"]] == ["0", "1", "2", "3", "logits"]
-    assert results["summary"]["within_tolerance"] and results["summary"]["max_rel_err"] < 1e-5
+    summary, rows = results["summary"], results["rows"]
+    assert summary["within_tolerance"] and summary["max_rel_err"] < 1e-5
+    # one maximum over every row: never below the logits' error it summarises (here the logits are the worst)
+    assert summary["max_rel_err"] == max(r["rel_err"] for r in rows) >= summary["logits_rel_err"] == rows[-1]["rel_err"]
+    assert summary["max_abs_err"] == max(r["max_abs_err"] for r in rows)
     assert "| 1 | attention |" in markdown and "![parity.png](parity.png)" in markdown
     assert results["workload"]["torch_device"] == ("cuda:0" if jax.default_backend() == "gpu" else "cpu")  # auto
     assert open(os.path.join(out, "parity.png"), "rb").read(8) == PNG
@@ -96,8 +100,10 @@ def test_parity_quick_run(tmp_path):
 
 def test_parity_in_bfloat16_reports_both_sides_against_float32(tmp_path):
     _, results, markdown = _run("configs/experiments/parity.py", tmp_path, dtype="bfloat16")
-    summary = results["summary"]
+    summary, rows = results["summary"], results["rows"]
     assert 0 < summary["logits_jax_rel_err_vs_f32"] < 5e-2 and 0 < summary["logits_hf_rel_err_vs_f32"] < 5e-2
+    assert summary["max_rel_err"] == max(r["rel_err"] for r in rows) >= summary["logits_rel_err"]
+    assert summary["within_tolerance"] == (summary["max_rel_err"] <= summary["tolerance"])
     assert "jax_rel_err_vs_f32" in markdown and "hf_rel_err_vs_f32" in markdown
 
 
@@ -396,22 +402,32 @@ def test_experiment_config_argument_is_checked():
             load(path, "quik")
 
 
-def test_command_line_errors_are_one_line_exit_2(capsys):
+def parse_flags(capsys, config: str) -> tuple[int | None, str]:
+    """(exit code, stderr) of the command's flag parsing of `--config config`, in this process; None: accepted."""
     from absl import flags
 
+    capsys.readouterr()
+    flags.FLAGS.unparse_flags()
+    try:
+        experiment.parse_flags(["granite_jax.experiment", "--config", config])
+        code = None
+    except SystemExit as e:
+        code = e.code
+    finally:
+        flags.FLAGS.unparse_flags()
+    return code, capsys.readouterr().err.strip()
+
+
+def test_command_line_errors_are_one_line_exit_2(capsys):
     cases = [
-        (["configs/models/tiny.py"], "configs/models/tiny.py is not an experiment config (no field 'experiment'"),
-        (["configs/experiments/parity.py:bogus"], "unknown argument 'bogus'; expected ':quick' or nothing"),
-        (["README.md"], "README.md is not a Python config file"),
+        ("configs/models/tiny.py", "configs/models/tiny.py is not an experiment config (no field 'experiment'"),
+        ("configs/experiments/parity.py:bogus", "unknown argument 'bogus'; expected ':quick' or nothing"),
+        ("README.md", "README.md is not a Python config file"),
+        ("configs/experiments/missing.py", "configs/experiments/missing.py' not found"),
     ]
-    for (path, *rest), message in cases:  # the command's flag parsing, in this process
-        capsys.readouterr()
-        flags.FLAGS.unparse_flags()
-        with pytest.raises(SystemExit) as exit_info:
-            experiment.parse_flags(["granite_jax.experiment", "--config", os.path.join(ROOT, path), *rest])
-        flags.FLAGS.unparse_flags()
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+    for path, message in cases:
+        code, err = parse_flags(capsys, os.path.join(ROOT, path))
+        assert code == 2 and len(err.splitlines()) == 1 and message in err, err
     cmd = [sys.executable, "-m", "granite_jax.experiment"]
     help_run = subprocess.run([*cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert help_run.returncode == 0 and "model.seed" in help_run.stdout and ":quick" in help_run.stdout
@@ -429,6 +445,67 @@ def test_bad_overrides_are_one_line_exit_2():
         "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype)"
     ]
     assert len(errors[1]) == 1 and "--config.workload.batch=x" in errors[1][0], errors[1]
+
+
+WORKLOAD_FIELDS = "batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype"
+BAD_CONFIG_FILES = {  # a shipped config edited by its copy: (experiment, edit, the error after "--config: FILE: ")
+    "unknown_top_level_field": (
+        "scaling",
+        "c.outputdir = 'runs/x'",
+        "unknown field 'outputdir' in config (fields: experiment, measure, model, output_dir, workload)",
+    ),
+    "unknown_nested_field": (
+        "scaling",
+        "c.workload.seqlen = 64",
+        f"unknown field 'seqlen' in config.workload (fields: {WORKLOAD_FIELDS})",
+    ),
+    "field_of_another_experiment": (
+        "scaling",
+        "c.measure.tolerance = 0.1",
+        "unknown field 'tolerance' in config.measure (fields: repeats, warmup)",
+    ),
+    "missing_field": (
+        "scaling",
+        "del c.workload['seq_len']",
+        f"missing field 'seq_len' in config.workload (expected fields: {WORKLOAD_FIELDS})",
+    ),
+    "missing_field_of_its_experiment": (
+        "parity",
+        "del c.measure['tolerance']",
+        "missing field 'tolerance' in config.measure (expected fields: repeats, tolerance, warmup)",
+    ),
+    "missing_section": (
+        "scaling",
+        "del c['measure']",
+        "missing field 'measure' in config (expected fields: experiment, measure, model, output_dir, workload)",
+    ),
+    "wrong_type": (
+        "throughput",
+        "del c.workload['batch']; c.workload.batch = '8'",  # a new field: ml_collections checks none of its type
+        "config.workload.batch must be an integer, got '8' (str)",
+    ),
+    "unknown_experiment": (
+        "parity",
+        "c.experiment = 'speed'",
+        "experiment: 'speed' is not one of rewrite, parity, throughput, scaling",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIG_FILES))
+def test_config_file_fields_are_checked_like_overrides(case, edited_config, capsys):
+    experiment_name, edit, message = BAD_CONFIG_FILES[case]
+    path = edited_config(os.path.join(ROOT, "configs", "experiments", f"{experiment_name}.py"), edit)
+    assert parse_flags(capsys, path) == (2, f"granite_jax.experiment: error: --config: {path}: {message}")
+
+
+def test_shipped_experiment_configs_pass_the_command_check(capsys):
+    paths = sorted(glob.glob(os.path.join(ROOT, "configs", "experiments", "*.py")))
+    assert {cli.load_config(path).experiment for path in paths} == set(experiment.KIND_FIELDS)
+    assert set(experiment.KIND_FIELDS) == set(experiment.EXPERIMENTS)
+    for path in paths:
+        for config in (path, f"{path}:quick"):
+            assert parse_flags(capsys, config) == (None, ""), config
 
 
 def test_output_dir_removes_only_an_empty_directory_it_made_when_the_work_fails(tmp_path):

@@ -171,6 +171,51 @@ def test_report_command_refuses_bad_input_with_one_line_and_exit_2():
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+REPORT_FIELDS = (
+    "batch, dtype, fuse_chains, hidden_size, json_out, mamba_chunk_size, mamba_d_head, mamba_d_state, mamba_n_groups, "
+    "mamba_n_heads, min_dim, min_flops, model, precision, seq_len, target"
+)
+BAD_CONFIG_FILES = {  # the shipped config edited by its copy: (edit, the error after "--config: FILE: ")
+    "unknown_field": ("c.seqlen = 512", f"unknown field 'seqlen' in config (fields: {REPORT_FIELDS})"),
+    "unknown_section": (
+        "c.options = dict(min_flops=0.0)",
+        f"unknown field 'options' in config (fields: {REPORT_FIELDS})",
+    ),
+    "missing_field": ("del c['min_dim']", f"missing field 'min_dim' in config (expected fields: {REPORT_FIELDS})"),
+    "wrong_type": ("del c['seq_len']; c.seq_len = '512'", "config.seq_len must be an integer, got '512' (str)"),
+}
+
+
+def parse_report_flags(capsys, config: str) -> tuple[int | None, str]:
+    """(exit code, stderr) of the command's flag parsing of `--config config`, in this process; None: accepted."""
+    from absl import flags
+
+    from rewriter import report
+
+    parse = report.define_flags(flags.FlagValues())  # the command's own parser, on flags apart from absl's global ones
+    capsys.readouterr()
+    try:
+        parse(["rewriter.report", "--config", config])
+        code = None
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CONFIG_FILES))
+def test_report_config_file_fields_are_checked_like_overrides(case, edited_config, capsys):
+    edit, message = BAD_CONFIG_FILES[case]
+    path = edited_config(str(ROOT / "configs" / "rewriter" / "h_tiny_mamba.py"), edit)
+    assert parse_report_flags(capsys, path) == (2, f"rewriter.report: error: --config: {path}: {message}")
+
+
+def test_shipped_report_configs_pass_the_command_check(capsys):
+    paths = sorted((ROOT / "configs" / "rewriter").glob("*.py"))
+    assert paths
+    for path in paths:
+        assert parse_report_flags(capsys, str(path)) == (None, ""), path
+
+
 def test_report_command_help_lists_the_fields():
     cmd = [sys.executable, "-m", "rewriter.report", "--help"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
