@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     fields = {f.name for f in dataclasses.fields(rewrite.Setup)}
     setup = rewrite.Setup(**{k: v for k, v in vars(args).items() if k in fields})
-    with tqdm(total=rewrite.calls(setup, args.lengths), desc="rewrite_ssd", unit="call", file=sys.stderr) as bar:
+    total = rewrite.calls(setup, args.lengths)
+    with tqdm(total=total, desc="rewrite_ssd", unit="call", file=sys.stderr, disable=None) as bar:
         results = rewrite.measure_lengths(setup, args.lengths, bar)
     dims = f"b={args.batch}, h={args.heads}, p={args.head_dim}, n={args.state}, g={args.groups}, chunk={args.chunk}"
     print(f"SSD at {dims}, float32, {jax.devices()[0]}")

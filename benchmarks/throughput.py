@@ -106,7 +106,7 @@ def measure(spec, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[
     probe_bytes = args.probe_mib << 20
     before = memory_bandwidth(probe_bytes)
     rows = []
-    for batch in tqdm(args.batch_sizes, desc="benchmark", unit="batch", file=sys.stderr):
+    for batch in tqdm(args.batch_sizes, desc="benchmark", unit="batch", file=sys.stderr, disable=None):
         (s,) = compare.speed(pair, (batch,), args.prompt_len, args.new_tokens, args.repeats)
         for impl, key in (("granite-jax", "jax"), ("transformers", "hf")):
             if key in s:

@@ -4,8 +4,9 @@ exit code 2, never a usage block or a traceback.
 - `ArgumentParser`: argparse with one-line errors (generate, compare, convert, the benchmark scripts), and the
   argument types and checks they share (`positive_int`, `output_file_problem`, `add_shape_argument`, ...).
 - `flags_parser`: absl flag parsing for commands driven by an ml_collections config file (`--config FILE
-  --config.x=y`: the experiment command and `rewriter.report`), naming a missing or broken config file and an
-  override that names no field or does not fit its type.
+  --config.x=y`: the experiment command and `rewriter.report`), naming a missing or broken config file, a field
+  of the file that the command does not read or lacks or whose value does not fit its type, and an override
+  that names no field or does not fit its type.
 """
 
 from __future__ import annotations
@@ -17,17 +18,32 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from absl import flags
+
+if TYPE_CHECKING:
+    from ml_collections.config_dict import ConfigDict
 
 HELP_FLAGS = ("--help", "-h", "--helpshort", "--helpfull", "-?")
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # absl's handler would print backend probing
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit code 2 (argparse's default prints the usage too)
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    """argparse whose errors are one line, `granite_jax.<command>: error: ...`, with exit code 2 (argparse's default
+    prints the usage block too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{command_name(self.prog)}: error: {message} (see --help)\n")
+
+    def fail(self, message: str) -> NoReturn:
+        """Bad input found after parsing: the same one line and exit code."""
+        fail(command_name(self.prog), message)
+
+
+def command_name(prog: str) -> str:
+    """The name errors start with: `granite_jax.generate` for `python -m granite_jax.generate`."""
+    return prog.removeprefix("python -m ")
 
 
 def add_shape_argument(parser: argparse.ArgumentParser, what: str, default: str = "granite-4.0-h-350m") -> None:
@@ -97,6 +113,73 @@ def output_file_problem(flag: str, path: str | None, *, make_dir: bool = False) 
     return None
 
 
+CACHE_ENV = "GRANITE_JAX_COMPILATION_CACHE"
+_OFF = ("off", "0", "false", "no", "")
+
+
+def add_cache_argument(parser: argparse.ArgumentParser) -> None:
+    """--compilation-cache DIR|off: where the command keeps compiled programs between runs."""
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR|off",
+        help=f"keep compiled programs in DIR so that later runs skip compilation (JAX's persistent cache); off: "
+        f"compile on every run. Default: ${CACHE_ENV} if set (a directory or off), else {default_cache_dir()}",
+    )
+
+
+def default_cache_dir() -> str:
+    """The user's cache directory for compiled programs (XDG's cache home)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "granite-jax", "xla")
+
+
+def compilation_cache_dir(flag: str | None) -> str | None:
+    """The cache directory a command uses: the flag, else $GRANITE_JAX_COMPILATION_CACHE, else the default; None
+    when either says off."""
+    setting = flag if flag is not None else os.environ.get(CACHE_ENV)
+    if setting is None:
+        return default_cache_dir()
+    return None if setting.strip().lower() in _OFF else os.path.abspath(os.path.expanduser(setting))
+
+
+def use_compilation_cache(flag: str | None) -> str | None:
+    """Turn JAX's persistent compilation cache on for this process (before its first compilation) and return its
+    directory, or None. A cache that JAX was told about directly (JAX_COMPILATION_CACHE_DIR, or
+    JAX_ENABLE_COMPILATION_CACHE=false) is left as it is. Raises InputError for a directory that cannot be made."""
+    import jax
+
+    from granite_jax.errors import InputError
+
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    if jax.config.jax_compilation_cache_dir and flag is None and CACHE_ENV not in os.environ:
+        return jax.config.jax_compilation_cache_dir
+    path = compilation_cache_dir(flag)
+    if path is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        message = f"--compilation-cache {path}: cannot create it ({e.strerror}); give a writable directory or off"
+        raise InputError(message) from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every program, however quick to compile: a command's many small compilations add up to seconds.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+# C0 and C1 control characters but newline and tab, DEL, and the bidirectional formatting characters: sampled text
+# could otherwise move the cursor, rewrite the screen or reorder what the terminal shows (CVE-2021-42574).
+_CONTROL = [*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+_ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _CONTROL}
+
+
+def printable(text: str) -> str:
+    """`text` for a terminal: control characters but newline and tab shown as Python escapes (`\\x1b`)."""
+    return text.translate(_ESCAPES)
+
+
 def fail(prog: str, message: str) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -115,14 +198,25 @@ def load_config(path: str, arg: str | None = None):
     return module.get_config(arg) if arg is not None else module.get_config()
 
 
-def flags_parser(prog: str, config: flags.FlagHolder, required: Sequence[str], kind: str) -> Callable:
-    """An `app.run(..., flags_parser=)` that reports bad flags and config overrides in one line (exit code 2), and
-    a config file without the `required` fields as not being a `kind` config. `--help` exits with 0."""
+def flags_parser(
+    prog: str,
+    config: flags.FlagHolder,
+    kind: str,
+    key: str,
+    schema: Callable[[ConfigDict], ConfigDict],
+    *,
+    flag_values: flags.FlagValues = flags.FLAGS,
+) -> Callable:
+    """An `app.run(..., flags_parser=)` that reports bad flags, config files and config overrides in one line (exit
+    code 2); `--help` exits with 0. A config file without the field `key` is named as not being a `kind` config;
+    one whose fields differ from those of `schema(config)` (see `config_problem`) is refused naming the field.
+    schema(config): a new config with exactly the fields the command reads for `config` (ValueError if none fits)."""
 
     def parse(argv: list[str]) -> list[str]:
         try:
-            rest = flags.FLAGS(argv)
-            fields = list(config.value.keys()) if config.value is not None else None  # a broken file raises here
+            rest = flag_values(argv)
+            loaded = config.value
+            hasattr(loaded, "keys")  # config_flags raises a missing or broken file's error at the first use of it
         except SystemExit as e:  # absl's --help prints the usage and exits with 1
             sys.exit(0 if any(a in HELP_FLAGS for a in argv[1:]) else e.code)
         except flags.Error as e:  # the flag's first line, and the cause a config file's traceback ends with
@@ -130,16 +224,70 @@ def flags_parser(prog: str, config: flags.FlagHolder, required: Sequence[str], k
             fail(prog, lines[0] + (f" {lines[-1]}" if len(lines) > 1 else ""))
         except Exception as e:  # config_flags raises whatever the config file or the override raised
             fail(prog, override_error(argv, e))
-        missing = [f for f in required if fields is not None and f not in fields]
-        if missing:
+        if loaded is not None:
             path = (_config_file_arg(argv) or "").partition(":")[0]
-            fail(prog, f"--config: {path} is not {kind} config (no field {missing[0]!r}; it has: {', '.join(fields)})")
+            if (problem := file_problem(path, loaded, kind, key, schema)) is not None:
+                fail(prog, problem)
         return rest
 
     return parse
 
 
-def _config_file_arg(argv: list[str]) -> str | None:
+def file_problem(
+    path: str, config: ConfigDict, kind: str, key: str, schema: Callable[[ConfigDict], ConfigDict]
+) -> str | None:
+    """Why the config file `path`, loaded as `config`, cannot drive the command, or None: it is not a `kind` config
+    (no field `key`), `schema` cannot tell what it should hold (its ValueError), or `config_problem`."""
+    fields = list(config.keys()) if hasattr(config, "keys") else []
+    if key not in fields:
+        return f"--config: {path} is not {kind} config (no field {key!r}; it has: {', '.join(fields) or 'nothing'})"
+    try:
+        problem = config_problem(config, schema(config))
+    except ValueError as e:
+        problem = str(e)
+    return None if problem is None else f"--config: {path}: {problem}"
+
+
+def config_problem(config: ConfigDict, schema: ConfigDict, where: str = "config") -> str | None:
+    """The first way `config` differs from `schema`, a config with exactly the fields the command reads, or None: a
+    field `schema` does not have, one it has that `config` lacks (at any depth), or a value that ml_collections would
+    refuse as an override of the schema's field (`--config.x=y`'s type check: an int may stand for a float, a list
+    for a tuple, None for anything). A field a command does not read is refused as a misspelt one would be: either
+    way the value the user wrote would be silently ignored."""
+    fields, expected = list(config.keys()), schema.keys()
+    listing = ", ".join(expected)
+    unknown = [name for name in fields if name not in expected]
+    if unknown:
+        return f"unknown field {unknown[0]!r} in {where} (fields: {listing})"
+    missing = [name for name in expected if name not in fields]
+    if missing:
+        return f"missing field {missing[0]!r} in {where} (expected fields: {listing})"
+    for name in expected:
+        if (problem := _field_problem(config[name], schema, name, f"{where}.{name}")) is not None:
+            return problem
+    return None
+
+
+def _field_problem(value: object, schema: ConfigDict, name: str, where: str) -> str | None:
+    if hasattr(schema[name], "keys"):
+        if not hasattr(value, "keys"):
+            return f"{where} must be a section of fields ({', '.join(schema[name].keys())}), got {value!r}"
+        return config_problem(value, schema[name], where)
+    expected = schema.get_type(name)
+    try:
+        schema[name] = value  # the schema is built for this check alone: its own values are never read
+    except TypeError:
+        # A section's repr is a YAML block of many lines.
+        got = "a section" if hasattr(value, "keys") else f"{value!r} ({type(value).__name__})"
+        return f"{where} must be {_type_name(expected)}, got {got}"
+    return None
+
+
+def _type_name(t: type) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(t, f"a {t.__name__}")
+
+
+def _config_file_arg(argv: Sequence[str]) -> str | None:
     """The config file named last (absl keeps the last value of a repeated flag)."""
     found = None
     for i, arg in enumerate(argv):
@@ -150,7 +298,7 @@ def _config_file_arg(argv: list[str]) -> str | None:
     return found
 
 
-def override_error(argv: list[str], error: Exception) -> str:
+def override_error(argv: Sequence[str], error: Exception) -> str:
     """Name the config file that cannot be loaded, or the override that does not fit the config and the fields that
     exist where it points."""
     spec = _config_file_arg(argv)

@@ -205,13 +205,15 @@ class ModelConfig:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: config.json not found")
-        return cls.from_hf_dict(read_json_object(path), source=path)
+        d = read_json_object(path)
+        check_model_kind(d, path)
+        return cls.from_hf_dict(d, source=path)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The inverse of `from_hf_dict`: a config.json dict transformers accepts."""
         d = {
             "model_type": "granitemoehybrid",
-            "architectures": ["GraniteMoeHybridForCausalLM"],
+            "architectures": [ARCHITECTURE],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -308,6 +310,22 @@ _POSITIVE_INTS = (
 )
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 _MISSING = object()
+
+
+ARCHITECTURE = "GraniteMoeHybridForCausalLM"
+
+
+def check_model_kind(d: dict[str, Any], source: str) -> None:
+    """A config.json must say it is a GraniteMoeHybrid causal LM: another model's config can hold every field this one
+    reads, and would load into wrong weights or wrong math without a word. `architectures` may be absent, as
+    transformers allows (`model_type` is what AutoConfig dispatches on); when present it must name the LM head class."""
+    model_type = d.get("model_type")
+    if model_type != "granitemoehybrid":
+        found = "no model_type" if model_type is None else f"model_type {model_type!r}"
+        raise ConfigError(f"{source}: {found}; expected 'granitemoehybrid' (a Granite 4.0 config.json)")
+    architectures = d.get("architectures", [ARCHITECTURE])
+    if architectures != [ARCHITECTURE]:
+        raise ConfigError(f"{source}: architectures {architectures!r}; expected [{ARCHITECTURE!r}]")
 
 
 def read_json_object(path: str, error: type[Exception] = ConfigError) -> dict[str, Any]:

@@ -68,15 +68,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples softmax(l/T)"
     )
-    s.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens (0 = all)")
+    s.add_argument(
+        "--top-k", type=int, metavar="K", help="with --temperature: sample among the K most likely tokens (0 = all)"
+    )
     s.add_argument(
         "--top-p",
         type=float,
-        default=1.0,
         metavar="P",
-        help="sample among the fewest most likely tokens with probability >= P, in (0, 1] (1 = all)",
+        help="with --temperature: sample among the fewest most likely tokens with probability >= P, in (0, 1] "
+        "(1 = all)",
     )
-    s.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same output (0)")
+    s.add_argument("--seed", type=int, help="with --temperature: random seed; the same seed gives the same output (0)")
     s.add_argument(
         "--stop",
         action="append",
@@ -171,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON document: texts, token ids, finish reasons and prefill/decode tokens per second",
     )
     o.add_argument("--quiet", action="store_true", help="no progress bar and no timing line on stderr")
+    cli.add_cache_argument(r)
     return p
 
 
@@ -182,7 +185,7 @@ def _read_text(path: str | None) -> str:
     except OSError as e:
         raise GenerationError(f"{where}: cannot read ({e.strerror})") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a byte order mark (Windows editors write one) is not part of the prompt
     except UnicodeDecodeError as e:
         raise GenerationError(f"{where}: not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
@@ -208,11 +211,18 @@ def _sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     stop_ids = () if args.ignore_eos else None
     if args.stop_token_id is not None:
         stop_ids = tuple(args.stop_token_id)
+    if not args.temperature > 0:  # greedy decoding would ignore them: refused rather than silently dropped
+        for flag in ("top_k", "top_p", "seed"):
+            if getattr(args, flag) is not None:
+                raise GenerationError(
+                    f"--{flag.replace('_', '-')} needs --temperature > 0: greedy decoding (the default) takes the "
+                    "most likely token and draws nothing"
+                )
     return SamplingConfig(
         temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        top_k=0 if args.top_k is None else args.top_k,
+        top_p=1.0 if args.top_p is None else args.top_p,
+        seed=0 if args.seed is None else args.seed,
         max_new_tokens=args.max_new_tokens,
         stop_token_ids=stop_ids,
         stop_strings=tuple(args.stop),
@@ -243,6 +253,7 @@ def _check_flag_combinations(args: argparse.Namespace) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     _check_flag_combinations(args)  # validate flags before the (slow) model load
+    cli.use_compilation_cache(args.compilation_cache)
     sampling = _sampling_from_args(args)
     if args.model is None and default_model_dir() is None:
         raise GenerationError(NO_MODEL_MESSAGE)
@@ -283,10 +294,10 @@ def run_cli(args: argparse.Namespace) -> int:
     elif stream:
         print(flush=True)
     elif len(results) == 1:
-        print(results[0].text)
+        print(cli.printable(results[0].text))
     else:
         for i, r in enumerate(results):
-            print(f"=== prompt {i + 1} ({r.finish_reason}) ===\n{r.text}")
+            print(f"=== prompt {i + 1} ({r.finish_reason}) ===\n{cli.printable(r.text)}")
     if not args.quiet and not args.json:
         print(_timing_line(timing), file=sys.stderr)
     return 0
@@ -295,7 +306,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def _printer(n_prompts: int) -> StreamCallback:
     """Streaming output: a single prompt's text as is; for a batch, one `[row] 'piece'` line per piece."""
     if n_prompts == 1:
-        return lambda row, text: print(text, end="", flush=True)
+        return lambda row, text: print(cli.printable(text), end="", flush=True)
     return lambda row, text: print(f"[{row + 1}] {text!r}", flush=True)
 
 
@@ -315,10 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_cli(args)
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"granite_jax.generate: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print("granite_jax.generate: interrupted", file=sys.stderr)
         return 130
 
 

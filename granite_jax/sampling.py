@@ -53,13 +53,22 @@ class SamplingConfig:
 
     def __post_init__(self):
         temperature, top_p, top_k, seed, n = self.temperature, self.top_p, self.top_k, self.seed, self.max_new_tokens
-        _check(_is_number(temperature) and temperature >= 0, f"temperature must be >= 0, got {temperature!r}")
-        _check(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+        _check(
+            _is_number(temperature) and temperature >= 0,
+            f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}",
+        )
+        _check(_is_number(top_p) and 0 < top_p <= 1, f"top_p must be a number in (0, 1], got {top_p!r}")
         _check(np.float32(top_p) > 0, f"top_p={top_p!r} is 0 as a float32 (the sampler's precision): it keeps nothing")
         _check(is_int(top_k) and top_k >= 0, f"top_k must be an integer >= 0, got {top_k!r}")
         _check(top_k <= _INT_MAX, f"top_k must be below 2**31, got {top_k!r}")
         _check(is_int(seed) and 0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
         _check(is_int(n) and n >= 1, f"max_new_tokens must be an integer >= 1, got {n!r}")
+        for name, neutral in (("top_k", 0), ("top_p", 1.0)):  # a filter greedy decoding would silently ignore
+            value = getattr(self, name)
+            _check(
+                temperature > 0 or value == neutral,
+                f"{name}={value!r} needs temperature > 0: greedy decoding (temperature 0) takes the most likely token",
+            )
         for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
             object.__setattr__(self, name, kind(getattr(self, name)))  # numpy scalars as Python numbers
         object.__setattr__(self, "max_new_tokens", int(n))

@@ -7,6 +7,7 @@ BPE trained in-process on a small built-in text, saved with a Granite-style chat
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -59,7 +60,10 @@ def make_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 320):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,  # its bars print blank lines when the training is this short
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer)
     fast = PreTrainedTokenizerFast(
@@ -96,8 +100,23 @@ def make_checkpoint(
     torch.manual_seed(seed)
     model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).to(getattr(torch, dtype)).eval()
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
-    model.save_pretrained(out_dir, **kwargs)
+    with _quiet_transformers():
+        model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars off (it draws them on non-terminals too), as they were afterwards."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def attention_float64(q, k, v, query_slots, pad, scale):
@@ -116,17 +135,23 @@ def attention_float64(q, k, v, query_slots, pad, scale):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from granite_jax import cli
 
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m granite_jax.testing",
         description="Write a random tiny GraniteMoeHybrid checkpoint (transformers format) with a tokenizer, "
-        "for trying the commands without downloading weights. Its output is random text.",
+        "for trying the commands without downloading weights. Its weights are random: the text it generates is "
+        "gibberish by design. For real text, see the README's 'Real weights'.",
     )
     parser.add_argument("out_dir", help="directory to write config.json, model.safetensors and tokenizer files into")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default 0)")
     args = parser.parse_args(argv)
-    print(make_checkpoint(args.out_dir, args.seed))
+    out = make_checkpoint(args.out_dir, args.seed)
+    print(
+        f"wrote a random tiny Granite 4.0 checkpoint to {out} (config.json, model.safetensors, tokenizer). Its weights "
+        "are random, so its text is gibberish by design: it is for trying the commands and for tests.\n"
+        f"Try: python -m granite_jax.generate --model {out} --prompt 'Hello'"
+    )
 
 
 if __name__ == "__main__":

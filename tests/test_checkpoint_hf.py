@@ -3,10 +3,12 @@ input."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -266,3 +268,48 @@ def test_unsupported_dtype_is_named_with_the_accepted_ones(tiny_checkpoint, argu
 def test_dtype_given_by_name_or_object_loads(tiny_checkpoint, value):
     model = load_model(tiny_checkpoint, dtype=jnp.float32, weight_dtype=value)
     assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_weights_are_refused_with_the_tensor_named(tiny_checkpoint, tmp_path, value):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+
+    def poison(tensors):
+        tensors["model.layers.1.self_attn.o_proj.weight"][3, :5] = value
+
+    rewrite_tensors(d, poison)
+    message = r"tensor 'model.layers.1.self_attn.o_proj.weight' holds 5 NaN or infinite value\(s\) of \d+; expected"
+    with pytest.raises(CheckpointError, match=message):
+        load_model(d)
+
+
+def test_weights_that_overflow_the_requested_dtype_are_refused(tiny_checkpoint, tmp_path):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t["model.layers.0.mamba.D"].__setitem__(0, 1e6))  # float16's largest is 65504
+    with pytest.raises(CheckpointError, match=r"'model.layers.0.mamba.D' holds 1 NaN or infinite"):
+        load_model(d, dtype="float16")
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal, as tqdm asks before drawing."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_is_drawn_on_a_terminal_only(tiny_checkpoint, monkeypatch):
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        load_model(tiny_checkpoint, progress=True)
+        assert ("loading weights" in stream.getvalue()) == drawn
+
+
+def test_an_error_during_the_load_leaves_the_bar_on_a_line_of_its_own(tiny_checkpoint, tmp_path, monkeypatch):
+    d = copy_checkpoint(tiny_checkpoint, tmp_path / "c")
+    rewrite_tensors(d, lambda t: t.update({"model.layers.3.mamba.extra": np.zeros(3, np.float32)}))
+    monkeypatch.setattr(sys, "stderr", stream := Terminal())
+    with pytest.raises(CheckpointError):
+        load_model(d, progress=True)
+    drawn = stream.getvalue()
+    assert "loading weights" in drawn and drawn.endswith("\n")  # closed: what prints next starts a line
+    monkeypatch.undo()

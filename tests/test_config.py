@@ -223,3 +223,23 @@ def test_replace_normalizes_lists_and_one_eos_id_to_tuples():
     assert (c.layer_types, c.eos_token_id, c.time_step_limit) == (("mamba", "attention"), (7,), (0.5, 2.0))
     assert c.replace(eos_token_id=[3, 4]).eos_token_id == (3, 4)
     hash(c)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "no model_type; expected 'granitemoehybrid'"),
+        ({"model_type": "granitemoe"}, "model_type 'granitemoe'; expected 'granitemoehybrid'"),
+        (
+            {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridModel"]},
+            r"architectures \['GraniteMoeHybridModel'\]; expected \['GraniteMoeHybridForCausalLM'\]",
+        ),
+    ],
+)
+def test_from_json_refuses_another_models_config(tmp_path, fields, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(BASE | fields))
+    with pytest.raises(ConfigError, match=f"{path}: {message}"):
+        ModelConfig.from_json(path)
+    path.write_text(json.dumps(BASE | {"model_type": "granitemoehybrid"}))  # architectures may be absent
+    assert ModelConfig.from_json(path) == ModelConfig.from_hf_dict(BASE)

@@ -373,7 +373,7 @@ def test_invalid_prompts_are_rejected(generator, prompts, message):
 
 
 def test_invalid_sampling_values_are_rejected(generator):
-    with pytest.raises(GenerationError, match="temperature must be >= 0"):
+    with pytest.raises(GenerationError, match="temperature must be a finite number >= 0"):
         generator.generate("hi", temperature=-1.0)
     with pytest.raises(GenerationError, match="unknown sampling option"):
         generator.generate("hi", temprature=1.0)

@@ -168,14 +168,17 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(temperature=-0.1), r"temperature must be >= 0, got -0.1"),
-        (dict(temperature=float("nan")), r"temperature must be >= 0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-        (dict(top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+        (dict(temperature=-0.1), r"temperature must be a finite number >= 0 \(0: greedy\), got -0.1"),
+        (dict(temperature=float("nan")), r"temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf")), r"temperature must be a finite number >= 0 \(0: greedy\), got inf"),
+        (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+        (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
+        (dict(top_k=5), r"top_k=5 needs temperature > 0: greedy decoding"),
+        (dict(top_p=0.9), r"top_p=0.9 needs temperature > 0: greedy decoding"),
         (dict(top_k=-1), r"top_k must be an integer >= 0, got -1"),
         (dict(top_k=2.5), r"top_k must be an integer >= 0"),
         (dict(top_k=2**31), r"top_k must be below 2\*\*31"),
-        (dict(top_p=1e-50), r"top_p=1e-50 is 0 as a float32"),
+        (dict(top_p=1e-50, temperature=1.0), r"top_p=1e-50 is 0 as a float32"),
         (dict(max_new_tokens=0), r"max_new_tokens must be an integer >= 1, got 0"),
         (dict(seed=-1), r"seed must be an integer"),
         (dict(stop_strings=("",)), r"stop_strings must be non-empty strings"),
@@ -205,5 +208,5 @@ def test_numpy_scalars_are_numbers():
     )
     assert (config.temperature, config.top_p, config.top_k, config.seed, config.max_new_tokens) == (0.5, 0.9, 4, 3, 7)
     assert all(type(v) in (int, float) for v in (config.temperature, config.top_k, config.max_new_tokens))
-    with pytest.raises(GenerationError, match="temperature must be >= 0"):
+    with pytest.raises(GenerationError, match="temperature must be a finite number >= 0"):
         SamplingConfig(temperature=np.bool_(True))

@@ -168,32 +168,37 @@ def read_weights(
     values: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
-    bar = tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=not progress)
-    for path, name, tensor in iter_tensors(files):
-        mapped = map_name(name)
-        if mapped is None:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a GraniteMoeHybrid model)")
-        target, transform = mapped
-        if target == "lm_head.weight" and target not in expected:
-            head = path, tensor
-            continue
-        if target not in expected:
-            raise CheckpointError(f"{path}: tensor {name!r} does not exist in this model's config (maps to {target})")
-        if target in source:
-            raise CheckpointError(f"{path}: tensor {name!r} sets {target}, which {source[target]!r} already set")
-        if np.dtype(tensor.dtype).name not in WEIGHT_DTYPES:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has dtype {np.dtype(tensor.dtype).name}, expected one of "
-                f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)"
-            )
-        want = transform.source_shape(tuple(expected[target].shape))
-        if tuple(tensor.shape) != want:
-            raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}")
-        # Transpose and cast on the host (numpy views and one copy), then one transfer per tensor.
-        host = np.ascontiguousarray(transform.apply(tensor).astype(np.dtype(param_dtype), copy=False))
-        values[target], source[target] = jax.device_put(host), name
-        bar.update()
-    bar.close()
+    # Closed before an error propagates, so the error prints on a line of its own; drawn on a terminal only.
+    with tqdm(total=len(expected), desc="loading weights", unit="tensor", disable=None if progress else True) as bar:
+        for path, name, tensor in iter_tensors(files):
+            mapped = map_name(name)
+            if mapped is None:
+                raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a GraniteMoeHybrid model)")
+            target, transform = mapped
+            if target == "lm_head.weight" and target not in expected:
+                head = path, tensor
+                continue
+            if target not in expected:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} does not exist in this model's config (maps to {target})"
+                )
+            if target in source:
+                raise CheckpointError(f"{path}: tensor {name!r} sets {target}, which {source[target]!r} already set")
+            if np.dtype(tensor.dtype).name not in WEIGHT_DTYPES:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has dtype {np.dtype(tensor.dtype).name}, expected one of "
+                    f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)"
+                )
+            want = transform.source_shape(tuple(expected[target].shape))
+            if tuple(tensor.shape) != want:
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
+                )
+            # Transpose and cast on the host (numpy views and one copy), then one transfer per tensor.
+            with np.errstate(over="ignore"):  # values past the dtype's range become inf: load_model refuses them
+                host = np.ascontiguousarray(transform.apply(tensor).astype(np.dtype(param_dtype), copy=False))
+            values[target], source[target] = jax.device_put(host), name
+            bar.update()
     first = next(iter(files))
     missing = sorted(set(expected) - set(values))
     if missing == ["lm_head.weight"]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from granite_jax.checkpoint import hf, orbax
@@ -35,13 +37,37 @@ def load_model(
     weights = weight_dtype_name(dtype, weight_dtype, stored_dtype(model_dir) if auto else None, runtime)
     kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weights])
     if orbax.is_orbax_checkpoint(model_dir):
-        return orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg)
-    cfg = cfg or hf.load_config(model_dir)
-    files = hf.checkpoint_files(model_dir)
-    graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
-    values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), kinds["param_dtype"], progress)
-    nnx.replace_by_pure_dict(state, hf.unflatten(values))
-    return nnx.merge(graphdef, state)
+        model = orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg)
+    else:
+        cfg = cfg or hf.load_config(model_dir)
+        files = hf.checkpoint_files(model_dir)
+        graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
+        values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), kinds["param_dtype"], progress)
+        nnx.replace_by_pure_dict(state, hf.unflatten(values))
+        model = nnx.merge(graphdef, state)
+    check_finite(model, model_dir)
+    return model
+
+
+def check_finite(model: Granite, model_dir: str | os.PathLike) -> None:
+    """Refuse weights holding NaN or inf (in the checkpoint, or made by the cast to the weights' dtype): every output
+    that reads such a weight is non-finite, and generation would print nothing rather than fail. One reduction per
+    tensor on the device, after the load, so both checkpoint formats are checked alike."""
+    flat = hf.flatten(nnx.to_pure_dict(nnx.state(model)))
+    counts = jax.device_get(_nonfinite_counts(list(flat.values())))
+    bad = [(path, int(n)) for path, n in zip(flat, counts) if n]
+    if bad:
+        path, n = bad[0]
+        more = f"; {len(bad) - 1} more tensor(s) too" if len(bad) > 1 else ""
+        raise CheckpointError(
+            f"{os.fspath(model_dir)}: tensor {hf.hf_name(path)[0]!r} holds {n} NaN or infinite value(s) of "
+            f"{flat[path].size}; expected finite weights{more}"
+        )
+
+
+@jax.jit
+def _nonfinite_counts(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves]
 
 
 def stored_dtype(model_dir: str | os.PathLike) -> str | None:
@@ -58,8 +84,7 @@ def load_tokenizer(model_dir: str | os.PathLike):
     d = os.fspath(model_dir)
     if not any(os.path.isfile(os.path.join(d, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
+    AutoTokenizer = _auto_tokenizer()
     try:
         return AutoTokenizer.from_pretrained(d, local_files_only=True)
     except Exception as e:  # transformers raises many types for broken tokenizer or config files
@@ -77,3 +102,19 @@ def default_model_dir() -> str | None:
     """The checkpoint shipped with the package, if any (none ships yet)."""
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoints", "default")
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def _auto_tokenizer():
+    """transformers' AutoTokenizer, imported without its advice that PyTorch is missing: granite-jax needs no
+    PyTorch, and the advice would greet every command of an install without it."""
+    key = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+    was = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        from transformers import AutoTokenizer
+    finally:
+        if was is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = was
+    return AutoTokenizer

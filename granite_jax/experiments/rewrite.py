@@ -176,7 +176,7 @@ def run(config) -> Result:
         raise ExperimentError("workload.weight_dtype: the rewrite benchmark runs the SSD alone, with no weights")
     setup = setup_for(load_config_of(config), w, m)
     lengths = sweep_lengths(w.seq_lens, w.seq_len)
-    with tqdm(total=calls(setup, lengths), desc="rewrite", unit="call") as bar:
+    with tqdm(total=calls(setup, lengths), desc="rewrite", unit="call", disable=None) as bar:
         results = measure_lengths(setup, lengths, bar)
     rows = [row(r, name) for r in results for name in VARIANTS]
     dims = setup.describe()

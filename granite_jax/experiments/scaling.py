@@ -39,7 +39,7 @@ def run(config) -> Result:
     model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
     lengths = sweep_lengths(w.seq_lens, w.seq_len)
     rows = []
-    for length in (bar := tqdm(lengths, desc="scaling", unit="length")):
+    for length in (bar := tqdm(lengths, desc="scaling", unit="length", disable=None)):
         bar.set_postfix_str(f"seq_len {length}")
         rows.append(measure_length(model, w.batch, length, w.rewriter, m.repeats, m.warmup, config.model.seed))
     return Result(

@@ -62,7 +62,7 @@ def run(config) -> Result:
         pair = compare.Pair(model, None, w.dtype, spec.describe())
     bandwidth = memory_bandwidth(m.floor_probe_mib << 20) if m.floor_probe_mib > 0 else None
     speeds = []
-    for batch in (bar := tqdm(batch_sizes, desc="throughput", unit="batch")):
+    for batch in (bar := tqdm(batch_sizes, desc="throughput", unit="batch", disable=None)):
         bar.set_postfix_str(f"batch {batch}")
         speeds += compare.speed(pair, (batch,), w.seq_len, w.new_tokens, m.repeats)
     rows = [flat_row(s) for s in speeds]

@@ -124,7 +124,7 @@ def interleaved(kernel: Callable[[], float], xla: Callable[[], float], rounds: i
     """Rounds of kernel, XLA, XLA, kernel: a drift within a round weighs on both alike, and both decoders take the same
     steps, so their contexts grow alike."""
     out = []
-    for _ in tqdm(range(rounds), desc="rounds", unit="round", file=sys.stderr):
+    for _ in tqdm(range(rounds), desc="rounds", unit="round", file=sys.stderr, disable=None):
         k1, x1, x2, k2 = kernel(), xla(), xla(), kernel()
         out.append(dict(kernel_s=(k1 + k2) / 2, xla_s=(x1 + x2) / 2, xla_over_kernel=(x1 + x2) / (k1 + k2)))
     return out

@@ -371,7 +371,7 @@ def main(argv=None) -> int:
         work = [(s, r) for s in weight_shapes(args.shape) for r in args.rows]
         results = [
             measure(s, r, args.chain_mib << 20, args.repeats, args.dtype)
-            for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr)
+            for s, r in tqdm(work, desc="products", unit="shape", file=sys.stderr, disable=None)
         ]
         print(
             f"{args.shape} weight shapes, {args.dtype}; GB/s of weights read (kernel: 1 row on W, 2-16 rows on W's "
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     if "state" in args.parts:
         updates = [
             measure_state_update(args.shape, r, args.repeats)
-            for r in tqdm(args.rows, desc="state update", unit="batch", file=sys.stderr)
+            for r in tqdm(args.rows, desc="state update", unit="batch", file=sys.stderr, disable=None)
         ]
         print(f"\n{args.shape} Mamba state update, one token through all {updates[0]['layers']} layers; GB/s of state")
         print("| batch | state (b, h, p, n) | kernel GB/s | XLA GB/s | kernel / XLA |")
@@ -399,7 +399,7 @@ def main(argv=None) -> int:
     if "mamba" in args.parts:
         mamba = [
             measure_mamba_step(args.shape, r, args.repeats)
-            for r in tqdm(args.rows, desc="mamba step", unit="batch", file=sys.stderr)
+            for r in tqdm(args.rows, desc="mamba step", unit="batch", file=sys.stderr, disable=None)
         ]
         print(
             f"\n{args.shape} Mamba decoding step between the projections, one token through all "
@@ -416,7 +416,7 @@ def main(argv=None) -> int:
         if released_config(args.shape).num_local_experts == 0:
             print(f"\n{args.shape} has no routed experts (try --shape granite-4.0-h-tiny)")
         else:
-            for t in tqdm(args.expert_tokens, desc="experts", unit="size", file=sys.stderr):
+            for t in tqdm(args.expert_tokens, desc="experts", unit="size", file=sys.stderr, disable=None):
                 experts += measure_experts(args.shape, t, args.chain_mib << 20, args.repeats, args.dtype)
             print(
                 f"\n{args.shape} expert products of one layer, {args.dtype}; GB/s of the distinct chosen experts' "
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
         work = [(r, c) for c in args.contexts for r in args.rows]
         attention = [
             measure_attention(args.shape, r, c, args.chain_mib << 20, args.repeats)
-            for r, c in tqdm(work, desc="attention", unit="size", file=sys.stderr)
+            for r, c in tqdm(work, desc="attention", unit="size", file=sys.stderr, disable=None)
         ]
         print(f"\n{args.shape} decode attention over float32 KV caches (past the CPU caches); GB/s of keys and values")
         print("| batch | filled slots | kernel GB/s | XLA GB/s | kernel / XLA |")
