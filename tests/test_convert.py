@@ -210,7 +210,7 @@ def _ended(proc: subprocess.Popen, gate: str) -> str:
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux: FIFOs and /proc/PID/maps")
 @pytest.mark.parametrize(
     ("moment", "signum"),
-    [("load", signal.SIGTERM), ("save", signal.SIGINT), ("save", signal.SIGTERM), ("publish", signal.SIGTERM)],
+    [("load", signal.SIGTERM), ("save", signal.SIGINT), ("publish", signal.SIGTERM)],
     ids=lambda v: getattr(v, "name", v),
 )
 def test_an_interrupt_leaves_nothing_and_says_so_in_one_line(tiny_checkpoint, tmp_path, moment, signum):
