@@ -23,7 +23,8 @@ Tests opt in explicitly, around the code that traces the kernels (including a mo
 
 `pallas_kernels.aot` goes one step further where the `jax-cuda12-pjrt` plugin is installed: it compiles the lowered
 kernels through XLA's GPU compiler and Triton for an H100/H200 target without a GPU (catching, e.g., shared memory
-overflows). See docs/kernels.md for the design, numerics and the GPU benchmark.
+overflows), and `pallas_kernels.executable` reads what such a program launches: kernels, CUDA graphs, bytes and FLOPs
+(`benchmarks/gpu_report.py`). See docs/kernels.md for the design, numerics and the GPU benchmark.
 """
 
 from pallas_kernels._call import PallasUnavailableError, check_available, cuda_lowering, interpret_mode

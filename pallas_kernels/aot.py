@@ -14,7 +14,6 @@ memory size and bandwidth, not in anything the kernels' compilation depends on.
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import re
@@ -163,20 +162,6 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
                 entry["wgmma"] = "wgmma" in ptx[source]
             kernels.append(entry)
     return kernels
-
-
-def thunk_counts(fn, *args, donate_argnums: tuple[int, ...] = (), gpu: str = "h200") -> dict[str, int]:
-    """Compile `fn(*args)` for `gpu` and count the thunks of its program by XLA kind: `kCustomKernel` (a kernel
-    launch: each fusion, each Pallas call), `kCopy` (a device copy), `kWhile`, `kConditional`, ... Loop bodies and
-    both branches of a conditional count once each. Run inside `pallas_kernels.cuda_lowering()`.
-
-    For steps too short to be bound by memory traffic (a decode step of a few ms), the launches are the cost.
-    `donate_argnums` as for `jax.jit`: without the donation the caller makes, XLA copies buffers it would update in
-    place.
-    """
-    with tempfile.TemporaryDirectory() as dump:
-        thunks = _compile_with_dump(_lowered(fn, args, gpu, donate_argnums), dump)
-    return dict(collections.Counter(re.findall(r"^\s*\d+: (k\w+)", thunks, flags=re.MULTILINE)))
 
 
 def _compile_with_dump(lowered, dump: str) -> str:

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optional package)
     **{name: f"benchmarks/{name}" for name in ("throughput.py", "rewrite_ssd.py", "gpu_ssd.py", "gpu_generate.py")},
-    "gpu_step_kernels.py": "benchmarks/gpu_step_kernels.py",
+    "gpu_report.py": "benchmarks/gpu_report.py",
     "kernels.py": "granite_jax/cpu/benchmarks/kernels.py",
     "decode_attention.py": "granite_jax/cpu/benchmarks/decode_attention.py",
 }
@@ -41,8 +41,9 @@ FLAGS = {
         "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot --once"
     ),
     "gpu_generate.py": "--max-new-tokens --repeats --out --smoke",
-    "gpu_step_kernels.py": (
-        "--shape --layers --batch --dtype --weight-dtype --ssd-impl --prompt-len --cache-len --gpu --json"
+    "gpu_report.py": (
+        "--shape --layers --steps --dtype --weight-dtype --ssd-impl --cache-len --gpu --no-per-layer --top --json "
+        "--budget --record-budget"
     ),
 }
 
@@ -82,9 +83,10 @@ BAD = [
     ("gpu_ssd.py", ["--smoke", "--sweep", "--sweep-len", "0"], "argument --sweep-len: must be >= 1"),
     ("gpu_ssd.py", ["--smoke", "--skip", "palas"], "argument --skip: unknown palas"),
     ("gpu_ssd.py", ["--smoke", "--peak-gbs", "0"], "argument --peak-gbs: must be > 0"),
-    ("gpu_step_kernels.py", ["--prompt-len", "2048"], "--prompt-len 2048 does not fit --cache-len 1024"),
-    ("gpu_step_kernels.py", ["--layers", "0"], "argument --layers: must be >= 1, got 0"),
-    ("gpu_step_kernels.py", ["--json", "{missing}"], "the directory does not exist"),
+    ("gpu_report.py", ["--steps", "decode-b2"], "--steps: unknown step 'decode-b2'; expected some of prefill-512,"),
+    ("gpu_report.py", ["--layers", "0"], "argument --layers: must be >= 1, got 0"),
+    ("gpu_report.py", ["--json", "{missing}"], "the directory does not exist"),
+    ("gpu_report.py", ["--budget", "{dir}"], "not a kernel budget (IsADirectoryError"),
 ]
 
 FIRST_BAD = {script: (args, message) for script, args, message in reversed(BAD)}  # each script's first case

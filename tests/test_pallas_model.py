@@ -125,18 +125,3 @@ def test_generation_steps_compile_for_h200(dtype, h200_target):
     with pallas_kernels.cuda_lowering():
         for fn, args in steps.values():
             aot.compile_for_gpu(fn, *args)
-
-
-@pytest.mark.aot
-def test_thunk_counts_count_what_the_program_holds(h200_target):
-    # Known answers: one loop whose condition and body each hold kernels, and no conditional or copy.
-    from jax import lax
-
-    from pallas_kernels import aot
-
-    def count_up(x):
-        return lax.while_loop(lambda c: c[0] < c[1].sum(), lambda c: (c[0] + 1.0, c[1] * 0.5), (0.0, x))[0]
-
-    counts = aot.thunk_counts(count_up, jax.ShapeDtypeStruct((1024,), jnp.float32))
-    assert counts["kWhile"] == 1 and counts["kCustomKernel"] >= 2, counts
-    assert "kConditional" not in counts, counts

@@ -252,6 +252,21 @@ def best_bandwidth(*probes: dict[str, float]) -> dict[str, float]:
     return {name: max(p[name] for p in probes) for name in probes[0]}
 
 
+def parameter_sizes(model) -> dict[str, int]:
+    """Parameters and their bytes, split into the routed experts' (each token reads `num_experts_per_tok` of
+    `num_local_experts` of them) and the rest: {dense_params, dense_bytes, routed_params, routed_bytes}. `model` may be
+    abstract (`model.abstract_model`)."""
+    sizes = dict.fromkeys(("dense_params", "dense_bytes", "routed_params", "routed_bytes"), 0)
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        part = (
+            "routed" if "block_sparse_moe" in keys and ("input_linear" in keys or "output_linear" in keys) else "dense"
+        )
+        sizes[f"{part}_params"] += int(x.size)
+        sizes[f"{part}_bytes"] += int(x.size) * jnp.dtype(x.dtype).itemsize
+    return sizes
+
+
 def decode_floor(model, bandwidth: dict[str, float]) -> dict[str, Any]:
     """The batch-1 decode bound: every weight a token uses is read once per token, at the best bandwidth measured.
 
@@ -259,13 +274,9 @@ def decode_floor(model, bandwidth: dict[str, float]) -> dict[str, Any]:
     `num_experts_per_tok` of `num_local_experts` are read (`model.MoE` gathers the chosen ones when decoding).
     """
     cfg = model.cfg
-    param_bytes = read_bytes = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        nbytes = x.size * x.dtype.itemsize
-        keys = [str(getattr(k, "key", k)) for k in path]
-        routed = "block_sparse_moe" in keys and ("input_linear" in keys or "output_linear" in keys)
-        param_bytes += nbytes
-        read_bytes += nbytes * cfg.num_experts_per_tok / cfg.num_local_experts if routed else nbytes
+    sizes = parameter_sizes(model)
+    param_bytes = sizes["dense_bytes"] + sizes["routed_bytes"]
+    read_bytes = sizes["dense_bytes"] + sizes["routed_bytes"] * cfg.num_experts_per_tok / max(cfg.num_local_experts, 1)
     best = max(bandwidth.values())
     return dict(
         param_bytes=int(param_bytes),

@@ -1,0 +1,264 @@
+"""What a program compiled for a GPU will launch, read from XLA's dump of a deviceless compile (`pallas_kernels.aot`).
+
+`launches(lowered)` compiles a lowered program with XLA's dump on and returns one `Launch` per kernel launch or device
+copy of one run: its name (the HLO instruction's, or the Triton kernel's for a Pallas call), what it is, whether it
+runs inside a CUDA graph (an XLA command buffer), how many times a run launches it, and its bytes and FLOPs.
+
+- The launches come from the thunk sequence after XLA's thunk passes, the program the GPU runtime executes: kernels
+  inside a `kCommandBuffer` are recorded into a CUDA graph and replayed as one launch.
+- Loops: a `kWhile` body runs its known trip count (XLA's `known_trip_count`), its condition once more; a loop whose
+  trip count XLA does not know is counted once, and its launches say so (`trips_known=False`).
+- Conditionals: the cheapest branch is counted (the Generator's steps branch between greedy and sampled decoding; the
+  greedy branch is the cheaper one), and the other branches are left out.
+- Bytes and FLOPs are XLA's `HloCostAnalysis` of each fusion alone (a module holding just that fusion, so that a
+  fusion reading a slice of a parameter is charged for the slice); a parameter the fusion only gathers from is
+  charged for the rows gathered, not the whole operand as the cost analysis does. A cuBLAS GEMM is charged 2·M·N·K
+  FLOPs and its operands and result; a device copy twice its size; a Pallas (Triton) call its operands and results,
+  and no FLOPs: XLA cannot see into it (`flops_known=False`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tempfile
+from typing import Any
+
+import jax
+
+H200_BYTES_PER_S = 4.8e12  # HBM3e
+H200_FLOPS_PER_S = 989e12  # dense bfloat16 tensor-core peak (SXM)
+LAUNCH_S = 4e-6  # host cost of one kernel launch outside a CUDA graph (cudaLaunchKernel and the gap it leaves)
+
+_ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+               "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Launch:
+    name: str  # the HLO instruction (fusion, custom call, copy), or the Triton kernel of a Pallas call
+    kind: str  # "fusion", "gemm" (a fusion on tensor cores or a cuBLAS call), "pallas", "copy", "kernel"
+    graphed: bool  # recorded into a CUDA graph (inside an XLA command buffer)
+    count: int  # launches per run of the program
+    bytes: float  # per launch
+    flops: float  # per launch
+    trips_known: bool = True  # False: inside a loop whose trip count XLA does not know (counted once)
+    flops_known: bool = True  # False: a Pallas call, whose FLOPs XLA cannot see
+
+    def seconds(self, bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS_PER_S) -> float:
+        """Predicted time of all its launches: each bound by bytes or FLOPs, plus a launch cost outside a graph."""
+        one = max(self.bytes / bytes_per_s, self.flops / flops_per_s)
+        return self.count * (one + (0.0 if self.graphed else LAUNCH_S))
+
+
+def launches(lowered, compiler_options: dict[str, Any] | None = None) -> list[Launch]:
+    """Compile `lowered` (a `jax.stages.Lowered` for a GPU, see `pallas_kernels.aot`) and list its launches."""
+    with tempfile.TemporaryDirectory() as dump:
+        lowered.compile(compiler_options={**(compiler_options or {}), "xla_dump_to": dump})
+        files = os.listdir(dump)
+        read = lambda suffix: open(os.path.join(dump, _one(files, suffix))).read()  # noqa: E731
+        hlo = _Hlo(read("gpu_after_optimizations.txt"))
+        annotations = _annotations(read("thunk_metadata.txt"))
+        passes = any(f.endswith("thunk_sequence_after_thunk_passes.txt") for f in files)  # absent: no pass applied
+        sequence = read("thunk_sequence_after_thunk_passes.txt" if passes else "thunk_sequence.txt")
+    return _Walk(hlo, annotations).run(_thunk_tree(sequence))
+
+
+def summary(items: list[Launch]) -> dict[str, Any]:
+    """Totals of a run: kernels launched (copies apart), how many outside graphs, bytes, FLOPs, predicted seconds."""
+    kernels = [k for k in items if k.kind != "copy"]
+    return dict(
+        kernels=sum(k.count for k in kernels),
+        kernels_outside_graphs=sum(k.count for k in kernels if not k.graphed),
+        copies=sum(k.count for k in items if k.kind == "copy"),
+        bytes=sum(k.count * k.bytes for k in items),
+        flops=sum(k.count * k.flops for k in items),
+        predicted_s=sum(k.seconds() for k in items),
+        unknown_trip_counts=sum(not k.trips_known for k in items),
+        pallas_calls=sum(k.count for k in items if k.kind == "pallas"),
+    )
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape (`bf16[4,128]{1,0}`, or a tuple of them)."""
+    return sum(_ITEM_BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in
+               re.findall(r"\b(pred|bf16|[subfc]\d+)\[([\d,]*)\]", shape))  # fmt: skip
+
+
+def _one(files: list[str], suffix: str) -> str:
+    found = sorted(f for f in files if f.endswith(suffix))
+    if not found:
+        raise RuntimeError(f"XLA's dump has no *{suffix}: this jax's GPU compiler writes another layout")
+    return found[-1]
+
+
+# ---------------------------------------------------------------------------------------------- the HLO module
+
+
+class _Hlo:
+    """The optimized HLO module's text: computations by name, instructions by name, and each fusion's cost."""
+
+    INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$")
+
+    def __init__(self, text: str) -> None:
+        text = re.sub(r", metadata=\{[^}]*\}", "", text)  # stack frame ids refer to a table the parts would lack
+        self.computations = {
+            m.group(2): m.group(0)
+            for m in re.finditer(r"^(ENTRY )?%(\S+) \((.*?)\) -> (.*?) \{\n(.*?)^\}", text, re.M | re.S)
+        }
+        self.instructions: dict[str, tuple[str, str, list[str], str]] = {}  # name -> (shape, opcode, operands, attrs)
+        for line in text.splitlines():
+            if m := self.INSTRUCTION.match(line):
+                name, shape, opcode, operands, attrs = m.groups()
+                self.instructions[name] = (shape, opcode, re.findall(r"%([\w.\-]+)", operands), attrs or "")
+        self._client = jax.devices("cpu")[0].client  # cost analysis needs a client; it reads shapes, not devices
+
+    def trip_count(self, name: str) -> int | None:
+        attrs = self.instructions.get(name, ("", "", [], ""))[3]
+        found = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+        return int(found.group(1)) if found else None
+
+    def cost(self, name: str) -> tuple[str, float, float, bool]:
+        """(kind, bytes, FLOPs, FLOPs known) of the instruction `name` launched as one kernel."""
+        shape, opcode, operands, attrs = self.instructions[name]
+        io_bytes = shape_bytes(shape) + sum(shape_bytes(self.instructions[o][0]) for o in operands)
+        if opcode == "fusion":
+            calls = re.search(r"calls=%([\w.\-]+)", attrs).group(1)
+            cost = self._fusion_cost(shape, re.search(r"kind=(k\w+)", attrs).group(1), calls)
+            gemm = "gemm" in attrs or " dot(" in self.computations[calls]
+            nbytes = cost.get("bytes accessed", io_bytes) - self._gathered_unread(calls)
+            return ("gemm" if gemm else "fusion"), nbytes, cost.get("flops", 0.0), True
+        if opcode == "custom-call" and "cublas" in attrs:
+            result = shape_bytes(shape.split(",")[0]) if shape.startswith("(") else shape_bytes(shape)
+            lhs = self.instructions[operands[0]][0]
+            dims = [int(d) for d in re.search(r"\[([\d,]*)\]", lhs).group(1).split(",") if d]
+            contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
+            k = math.prod(dims[int(i.strip('"'))] for i in contracting.group(1).split(",")) if contracting else 1
+            out_elems = result / _ITEM_BYTES.get(re.match(r"\(?(\w+)\[", shape).group(1), 4)
+            return "gemm", io_bytes, 2.0 * out_elems * k, True
+        if opcode == "custom-call" and "triton" in attrs:
+            return "pallas", io_bytes, 0.0, False
+        if opcode == "copy":
+            return "copy", 2.0 * shape_bytes(shape), 0.0, True
+        return "kernel", io_bytes, 0.0, False
+
+    def _fusion_cost(self, shape: str, kind: str, calls: str) -> dict[str, float]:
+        """XLA's cost analysis of a module holding only this fusion, its parameters as the module's."""
+        from jax._src.lib import xla_client
+        from jaxlib import _hlo
+
+        params = sorted((int(i), s) for s, i in re.findall(r"= (.+?) parameter\((\d+)\)", self.computations[calls]))
+        signature = ", ".join(f"p{i}: {s}" for i, s in params)
+        body = [f"  %p{i} = {s} parameter({i})" for i, s in params]
+        body.append(f"  ROOT %kernel = {shape} fusion({', '.join(f'%p{i}' for i, _ in params)}), kind={kind}, "
+                    f"calls=%{calls}")  # fmt: skip
+        parts = [self.computations[c].replace("ENTRY ", "") for c in reversed(self._called(calls, []))]
+        text = "HloModule kernel\n\n" + "\n\n".join(parts) + f"\n\nENTRY %main ({signature}) -> {shape} {{\n"
+        module = _hlo.hlo_module_from_text(text + "\n".join(body) + "\n}\n")
+        return xla_client._xla.hlo_module_cost_analysis(self._client, module)
+
+    def _gathered_unread(self, calls: str) -> float:
+        """Bytes XLA's cost analysis charges a fusion for the parts of a parameter it only gathers from: it charges
+        the whole operand of a gather (a MoE decode reads the chosen experts of a [experts, ...] weight, not all)."""
+        body = self.computations[calls]
+        unread = 0.0
+        for name, shape in re.findall(r"%(\S+) = (\S+) parameter\(\d+\)", body):
+            users = re.findall(rf"= (\S+) ([a-z][\w\-]*)\(%{re.escape(name)}[,)]", body)
+            mentions = len(re.findall(rf"%{re.escape(name)}\b(?! =)", body))
+            if users and len(users) == mentions and all(op == "gather" for _, op in users):
+                unread += max(0.0, shape_bytes(shape) - sum(shape_bytes(out) for out, _ in users))
+        return unread
+
+    def _called(self, name: str, seen: list[str]) -> list[str]:
+        if name not in seen:
+            seen.append(name)
+            for called in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", self.computations[name].split("\n", 1)[1]):
+                self._called(called, seen)
+        return seen
+
+
+def _annotations(metadata: str) -> dict[int, str]:
+    """Thunk id -> the HLO instruction it runs (XLA's thunk metadata)."""
+    found = re.findall(r'profile_annotation: "([^"]*)"\s*thunk_id: (\d+)', metadata)
+    return {int(i): name for name, i in found}
+
+
+# ---------------------------------------------------------------------------------------------- the thunk sequence
+
+
+@dataclasses.dataclass
+class _Thunk:
+    id: int
+    kind: str
+    text: str
+    sections: dict[str, list[_Thunk]] = dataclasses.field(default_factory=dict)  # "" for a plain container
+
+
+def _thunk_tree(sequence: str) -> list[_Thunk]:
+    """The thunk sequence as a tree: a container's thunks are the deeper-indented lines after it; a loop's and a
+    conditional's are split by their section labels (`condition:`, `body:`, `true_branch:`, ...), which XLA does not
+    always indent."""
+    lines: list[tuple[int, Any]] = []
+    for line in sequence.splitlines():
+        if m := re.match(r"^(\s*)(\d+): (k\w+)\s*(.*)$", line):
+            lines.append((len(m.group(1)), _Thunk(int(m.group(2)), m.group(3), m.group(4))))
+        elif m := re.match(r"^(\s*)(\w+):\s*$", line):
+            lines.append((-1 - len(m.group(1)), m.group(2)))  # a label: its indent, negated
+    root: list[_Thunk] = []
+    stack: list[tuple[int, _Thunk]] = []  # open containers and their indents
+    for indent, item in lines:
+        if indent < 0:  # a section label: of the loop just opened (`condition:`, at any indent), else by indent
+            while item != "condition" and stack and stack[-1][0] >= -1 - indent:
+                stack.pop()
+            stack[-1][1].sections[item] = []
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        parent = stack[-1][1] if stack else None
+        if parent is None:
+            root.append(item)
+        else:
+            parent.sections.setdefault(next(reversed(parent.sections)) if parent.sections else "", []).append(item)
+        if item.kind in ("kCommandBuffer", "kWhile", "kConditional", "kSequential"):
+            stack.append((indent, item))
+    return root
+
+
+class _Walk:
+    """The launches of one run through a thunk tree."""
+
+    def __init__(self, hlo: _Hlo, annotations: dict[int, str]) -> None:
+        self.hlo, self.annotations = hlo, annotations
+
+    def run(self, thunks: list[_Thunk], graphed: bool = False, count: int = 1, known: bool = True) -> list[Launch]:
+        out: list[Launch] = []
+        for t in thunks:
+            if t.kind in ("kCommandBuffer", "kSequential"):
+                out += self.run(t.sections.get("", []), graphed or t.kind == "kCommandBuffer", count, known)
+            elif t.kind == "kWhile":
+                trips = self.hlo.trip_count(self.annotations.get(t.id, ""))
+                n = trips if trips is not None else 1
+                out += self.run(t.sections.get("condition", []), graphed, count * (n + 1), known and trips is not None)
+                out += self.run(t.sections.get("body", []), graphed, count * n, known and trips is not None)
+            elif t.kind == "kConditional":
+                branches = [self.run(b, graphed, count, known) for b in t.sections.values()]
+                out += min(branches, key=lambda b: sum(k.seconds() for k in b), default=[])
+            elif t.kind in ("kCustomKernel", "kKernel", "kCopy", "kGemm", "kCublasLtMatmul", "kCustomCall"):
+                out.append(self._launch(t, graphed, count, known))
+        return out
+
+    def _launch(self, t: _Thunk, graphed: bool, count: int, known: bool) -> Launch:
+        name = self.annotations.get(t.id, "")
+        if name not in self.hlo.instructions:  # no cost to read: counted as a launch of unknown size
+            return Launch(name or t.kind, "kernel", graphed, count, 0.0, 0.0, known, False)
+        kind, nbytes, flops, flops_known = self.hlo.cost(name)
+        if kind == "pallas" and (kernel := re.search(r"\]\s*(\S+)", t.text)):
+            name = kernel.group(1)  # the Triton kernel's name, which a profiler shows
+        return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known)
+
+
+def to_json(items: list[Launch]) -> str:
+    return json.dumps([dataclasses.asdict(k) for k in items])

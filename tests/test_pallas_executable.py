@@ -1,0 +1,82 @@
+"""pallas_kernels.executable: the launches of programs compiled for an H200 without a GPU, on programs whose answer is
+known (a GEMM's FLOPs, a loop's trip count, a conditional's branches, a Pallas call)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import pallas_kernels
+
+S = jax.ShapeDtypeStruct
+
+
+def test_shape_bytes():
+    from pallas_kernels.executable import shape_bytes
+
+    assert shape_bytes("bf16[64,1536,1024]{2,1,0}") == 64 * 1536 * 1024 * 2
+    assert shape_bytes("(f32[2,3]{1,0}, bf16[4]{0}, pred[])") == 24 + 8 + 1
+    assert shape_bytes("s32[]") == 4 and shape_bytes("u8[0]") == 0
+
+
+def launches_of(fn, *args):  # compiled for an H200
+    from pallas_kernels import aot, executable
+
+    return executable.launches(aot._lowered(fn, args, "h200"))
+
+
+@pytest.mark.aot
+def test_a_gemm_and_a_loop_of_known_trips(h200_target):
+    from pallas_kernels import executable
+
+    def f(x, w):
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        return lax.fori_loop(0, 1000, lambda i, c: jnp.sin(c) * 1.5 + c[::-1], y)
+
+    items = launches_of(f, S((256, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16))
+    gemms = [k for k in items if k.kind == "gemm"]
+    assert len(gemms) == 1 and gemms[0].count == 1 and gemms[0].flops == 2 * 256 * 512 * 1024, items
+    assert gemms[0].bytes >= (256 * 512 + 512 * 1024) * 2 + 256 * 1024 * 4  # at least its operands and result
+    counts = sorted(k.count for k in items)
+    assert 1000 in counts and 1001 in counts, items  # the body's kernels, and the condition's one more
+    assert all(k.trips_known and k.flops_known for k in items)
+    totals = executable.summary(items)
+    assert totals["kernels"] == sum(k.count for k in items if k.kind != "copy")
+    assert totals["predicted_s"] == pytest.approx(sum(k.seconds() for k in items))
+    # outside any CUDA graph, each launch costs its host launch besides its bytes
+    assert totals["predicted_s"] >= totals["kernels_outside_graphs"] * executable.LAUNCH_S
+
+
+@pytest.mark.aot
+def test_a_conditional_counts_its_cheapest_branch(h200_target):
+    def f(p, x, w):
+        return lax.cond(p, lambda: x * 2.0, lambda: jnp.dot(x, w, preferred_element_type=jnp.float32))
+
+    items = launches_of(f, S((), jnp.bool_), S((512, 512), jnp.float32), S((512, 512), jnp.float32))
+    assert not [k for k in items if k.kind == "gemm"], items
+    assert any(k.flops == 512 * 512 for k in items), items  # the product by 2
+
+
+@pytest.mark.aot
+def test_a_pallas_call_is_named_by_its_kernel(h200_target):
+    state, x = S((1, 48, 64, 128), jnp.float32), S((1, 48, 64), jnp.bfloat16)
+    dt, A, B, D = S((1, 48), jnp.float32), S((48,), jnp.float32), S((1, 1, 128), jnp.bfloat16), S((48,), jnp.float32)
+    with pallas_kernels.cuda_lowering():
+        items = launches_of(pallas_kernels.ssd_decode, state, x, dt, A, B, B, D)
+    calls = [k for k in items if k.kind == "pallas"]
+    assert [k.name for k in calls] == ["ssd_decode"] and not calls[0].flops_known, items
+    assert calls[0].bytes >= 2 * 48 * 64 * 128 * 4  # the state read and written
+
+
+@pytest.mark.aot
+def test_a_fusion_gathering_rows_is_charged_for_the_rows(h200_target):
+    # A MoE decode: 6 of 64 experts' [1536, 1024] weights gathered and multiplied by one token.
+    def f(w, x, chosen):
+        return jnp.einsum("d,edf->ef", x, w[chosen])
+
+    w = S((64, 1536, 1024), jnp.bfloat16)
+    items = launches_of(f, w, S((1536,), jnp.bfloat16), S((6,), jnp.int32))
+    total = sum(k.count * k.bytes for k in items)
+    assert 6 * 1536 * 1024 * 2 <= total < 0.2 * 64 * 1536 * 1024 * 2, items
