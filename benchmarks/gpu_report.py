@@ -96,7 +96,7 @@ def step_launches(cfg, args: argparse.Namespace, step: str) -> list:
     cache_len = max(args.cache_len, tokens)
     dtype, weight_dtype = jnp.dtype(args.dtype), jnp.dtype(args.weight_dtype or args.dtype)
     fns = abstract_steps(cfg, batch=batch, prompt_len=tokens, cache_len=cache_len, dtype=dtype,
-                         weight_dtype=weight_dtype, runtime=Runtime(ssd=args.ssd_impl))  # fmt: skip
+                         weight_dtype=weight_dtype, runtime=Runtime(ssd=args.ssd_impl, platform="gpu"))  # fmt: skip
     fn, fn_args = fns[kind]
     with pallas_kernels.cuda_lowering():  # (weights, prepared, cache, ...): the cache donated, as the Generator does
         return executable.launches(aot._lowered(fn, fn_args, args.gpu, (2,)))
@@ -188,13 +188,14 @@ def layer_table(result: dict[str, Any]) -> str:
 
 def top_table(result: dict[str, Any], top: int) -> str:
     lines = [
-        "| step | kernel | kind | in graph | launches | MB | GFLOP | predicted us |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step | kernel | from | kind | in graph | launches | MB | GFLOP | predicted us |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in result["steps"].items():
         for k in s["launches"][:top]:
             lines.append(
-                f"| {name} | {k['name']} | {k['kind']} | {'yes' if k['graphed'] else 'no'} | {k['count']} | "
+                f"| {name} | {k['name']} | {k['source'].split('/', 1)[-1][-60:]} | {k['kind']} | "
+                f"{'yes' if k['graphed'] else 'no'} | {k['count']} | "
                 f"{k['bytes'] / 1e6:.2f} | {k['flops'] / 1e9:.3f} | {k['predicted_s'] * 1e6:.1f} |"
             )
     return "\n".join(lines) + "\n"

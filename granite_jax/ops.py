@@ -30,8 +30,13 @@ from granite_jax.errors import InputError
 
 log = logging.getLogger(__name__)
 SSD_IMPLS = ("xla", "naive", "pallas")
-BACKENDS = {"naive": "granite_jax.ssd", "pallas": "granite_jax.pallas", "cpu": "granite_jax.cpu"}  # name -> module
-PLATFORM_KERNELS = {"cpu": "cpu"}  # JAX's default backend -> the backend `Runtime.kernels` turns on there
+BACKENDS = {  # name -> module
+    "naive": "granite_jax.ssd",
+    "pallas": "granite_jax.pallas",
+    "cpu": "granite_jax.cpu",
+    "gpu": "granite_jax.gpu",
+}
+PLATFORM_KERNELS = {"cpu": "cpu", "gpu": "gpu"}  # a JAX platform -> the backend `Runtime.kernels` turns on there
 
 Prepared = dict[str, dict[str, jax.Array]]  # backend -> {parameter path: array derived from that parameter}
 
@@ -46,11 +51,14 @@ class Runtime:
     inference: differentiate with kernels=False.
     pack_weights: let the kernel backend keep copies of the weights in its own layout (on CPUs: for decode steps of
     2-16 rows, as much memory again as those weights). None: when they fit in half the free memory.
+    platform: the JAX platform ("cpu", "gpu") the program is for, whose kernel backend `kernels` turns on. None: JAX's
+    default backend; set it to compile for another, as for an H200 from a machine without one.
     """
 
     ssd: str = "xla"
     kernels: bool = True
     pack_weights: bool | None = None
+    platform: str | None = None
 
     def __post_init__(self):
         if self.ssd not in SSD_IMPLS:
@@ -59,6 +67,8 @@ class Runtime:
             raise InputError(f"kernels: expected True or False, got {self.kernels!r}")
         if self.pack_weights not in (None, True, False):
             raise InputError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
+        if self.platform is not None and self.platform not in PLATFORM_KERNELS:
+            raise InputError(f"platform: {self.platform!r} is not one of None, {', '.join(PLATFORM_KERNELS)}")
 
     def replace(self, **changes: Any) -> Runtime:
         return dataclasses.replace(self, **changes)
@@ -67,7 +77,7 @@ class Runtime:
     def backends(self) -> tuple[str, ...]:
         """The backends consulted, first to last."""
         ssd = () if self.ssd == "xla" else (self.ssd,)
-        platform = PLATFORM_KERNELS.get(jax.default_backend()) if self.kernels else None
+        platform = PLATFORM_KERNELS.get(self.platform or jax.default_backend()) if self.kernels else None
         return ssd + ((platform,) if platform else ())
 
 

@@ -47,6 +47,7 @@ class Launch:
     flops: float  # per launch
     trips_known: bool = True  # False: inside a loop whose trip count XLA does not know (counted once)
     flops_known: bool = True  # False: a Pallas call, whose FLOPs XLA cannot see
+    source: str = ""  # the JAX operation it came from (XLA's op_name: the jitted function's path to it)
 
     def seconds(self, bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS_PER_S) -> float:
         """Predicted time of all its launches: each bound by bytes or FLOPs, plus a launch cost outside a graph."""
@@ -104,6 +105,7 @@ class _Hlo:
     INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w\-]*)\((.*?)\)(?:, (.*))?$")
 
     def __init__(self, text: str) -> None:
+        self.sources = dict(re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?metadata=\{op_name="([^"]*)"', text, re.M))
         text = re.sub(r", metadata=\{[^}]*\}", "", text)  # stack frame ids refer to a table the parts would lack
         self.computations = {
             m.group(2): m.group(0)
@@ -257,7 +259,8 @@ class _Walk:
         kind, nbytes, flops, flops_known = self.hlo.cost(name)
         if kind == "pallas" and (kernel := re.search(r"\]\s*(\S+)", t.text)):
             name = kernel.group(1)  # the Triton kernel's name, which a profiler shows
-        return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known)
+        source = self.hlo.sources.get(self.annotations.get(t.id, ""), "")
+        return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known, source)
 
 
 def to_json(items: list[Launch]) -> str:

@@ -91,6 +91,11 @@ def test_the_runtime_is_checked():
     with pytest.raises(ValueError, match="kernels: expected True or False, got 1"):
         Runtime(kernels=1)
     assert Runtime(kernels=False).backends == () and Runtime(ssd="naive", kernels=False).backends == ("naive",)
+    with pytest.raises(ValueError, match="platform: 'tpu' is not one of None, cpu, gpu"):
+        Runtime(platform="tpu")
+    # a program for another platform than this one's (a deviceless GPU compile) takes that platform's backend
+    assert Runtime(ssd="pallas", platform="gpu").backends == ("pallas", "gpu")
+    assert Runtime(platform="gpu", kernels=False).backends == ()
 
 
 def test_prepared_arrays_reach_the_implementation_of_their_weight(fake_platform):
