@@ -99,7 +99,7 @@ def step_launches(cfg, args: argparse.Namespace, step: str) -> list:
                          weight_dtype=weight_dtype, runtime=Runtime(ssd=args.ssd_impl, platform="gpu"))  # fmt: skip
     fn, fn_args = fns[kind]
     with pallas_kernels.cuda_lowering():  # (weights, prepared, cache, ...): the cache donated, as the Generator does
-        return executable.launches(aot._lowered(fn, fn_args, args.gpu, (2,)))
+        return executable.launches(aot.lower_for_gpu(fn, fn_args, args.gpu, (2,)))
 
 
 def per_layer(cfg, args: argparse.Namespace, step: str) -> dict[str, dict[str, Any]]:

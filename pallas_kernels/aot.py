@@ -115,11 +115,13 @@ def compile_for_gpu(fn, *args, gpu: str = "h200"):
 
     Returns the compiled executable (for `.as_text()`, `.cost_analysis()`); raises on any lowering or compile error.
     """
-    return _lowered(fn, args, gpu).compile()
+    return lower_for_gpu(fn, args, gpu).compile()
 
 
-def _lowered(fn, args, gpu: str, donate_argnums: tuple[int, ...] = ()):
-    """`fn(*args)` jitted and lowered for `gpu`, its arguments placed on the compile-only device."""
+def lower_for_gpu(fn, args, gpu: str = "h200", donate_argnums: tuple[int, ...] = ()):
+    """`fn(*args)` jitted and lowered for `gpu`, its arguments placed on the compile-only device (for
+    `pallas_kernels.executable.launches`). `donate_argnums` as for `jax.jit`: without the donation a caller makes, XLA
+    copies the buffers it would update in place."""
     return jax.jit(fn, donate_argnums=donate_argnums).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
 
 
@@ -140,7 +142,7 @@ def kernel_report(fn, *args: jax.ShapeDtypeStruct, gpu: str = "h200") -> list[di
     """
     arch = "sm_90a" if gpu in ("h100", "h200") else "sm_80"
     with tempfile.TemporaryDirectory() as dump:
-        thunks = _compile_with_dump(_lowered(fn, args, gpu), dump)
+        thunks = _compile_with_dump(lower_for_gpu(fn, args, gpu), dump)
         ptx = {f: open(os.path.join(dump, f)).read() for f in os.listdir(dump) if f.endswith(".ptx")}
         kernels = []
         for m in re.finditer(

@@ -20,7 +20,6 @@ runs inside a CUDA graph (an XLA command buffer), how many times a run launches 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -261,7 +260,3 @@ class _Walk:
             name = kernel.group(1)  # the Triton kernel's name, which a profiler shows
         source = self.hlo.sources.get(self.annotations.get(t.id, ""), "")
         return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known, source)
-
-
-def to_json(items: list[Launch]) -> str:
-    return json.dumps([dataclasses.asdict(k) for k in items])

@@ -24,7 +24,7 @@ def test_shape_bytes():
 def launches_of(fn, *args):  # compiled for an H200
     from pallas_kernels import aot, executable
 
-    return executable.launches(aot._lowered(fn, args, "h200"))
+    return executable.launches(aot.lower_for_gpu(fn, args, "h200"))
 
 
 @pytest.mark.aot
