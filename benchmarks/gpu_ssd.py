@@ -7,8 +7,11 @@
 2. Times the SSD forward at h-tiny dims (48 heads x 64, state 128, one group, chunk 256, batch 1) for each L in
    --lengths: "naive" (broadcast-sum einsums; left out unless --skip says otherwise, its XLA compilation is too slow
    on GPUs), "rewritten" (the naive code through `rewriter.rewrite`, up to --naive-max-len, skipped when the rewriter
-   is not importable), "xla" (einsum chunked), "pallas" (this package, float32 y as the model uses it) and
-   "pallas_y16" (y in the input dtype, the traffic the roofline assumes). Calls are timed in back-to-back batches.
+   is not importable), "xla" (einsum chunked, float32 at HIGHEST precision, as the model runs it), "xla_bf16" (the
+   same with bfloat16 operands and float32 accumulation: XLA's fastest form, on tensor cores), "pallas" (this package,
+   float32 y as the model uses it) and "pallas_y16" (y in the input dtype, the traffic the roofline assumes). Calls
+   are timed in back-to-back batches. The kernels' speed-ups are given against "xla" and against the faster of the
+   two XLA forms.
 3. Times one whole Mamba layer (`granite_jax.model.MambaMixer`, in_proj -> conv -> SSD -> gated norm -> out_proj) with
    each SSD implementation, and the decode update at a few batch sizes.
    The Pallas prefill's three kernels (chunk-local states, the pass over chunks, outputs) are also timed apart
@@ -227,6 +230,7 @@ def ssd_variants(chunk: int, *, naive: bool) -> dict[str, Callable]:
         if rewritten is not None:
             variants["rewritten"] = rewritten
     variants["xla"] = jax.jit(functools.partial(ssd_chunked, chunk_size=chunk))
+    variants["xla_bf16"] = jax.jit(functools.partial(ssd_chunked, chunk_size=chunk, operand_dtype=jnp.bfloat16))
     variants["pallas"] = jax.jit(functools.partial(pallas_kernels.ssd_prefill, chunk_size=chunk))
 
     def pallas_y16(x, dt, A, B, C, D):
@@ -496,7 +500,7 @@ def bench_decode(d: Dims, dtype, batches: list[int], min_seconds: float, ceiling
 # ---------------------------------------------------------------------------------------------- main
 
 
-IMPLS = ("naive", "rewritten", "xla", "pallas", "pallas_y16")  # what --skip may name
+IMPLS = ("naive", "rewritten", "xla", "xla_bf16", "pallas", "pallas_y16")  # what --skip may name
 LENGTHS = "2048,8192,32768"  # --lengths' default (--smoke times SMOKE_LENGTHS instead)
 SMOKE_LENGTHS = [40, 100]
 
@@ -581,14 +585,20 @@ def environment() -> dict:
 
 
 def speedups(results: list[dict]) -> list[dict]:
-    """pallas (and pallas_y16) against xla, measured side by side: xla time / kernel time per section and size."""
+    """pallas (and pallas_y16) against xla, measured side by side: xla time / kernel time per section and size; and
+    against the faster of "xla" and "xla_bf16" where both were timed."""
     timed = {(r["kind"], r.get("L", r.get("batch")), r["impl"]): r["us"] for r in results if "us" in r}
     rows = []
     for (kind, size, impl), us in timed.items():
         xla = timed.get((kind, size, "xla"))
         if impl.startswith("pallas") and xla is not None:
-            rows.append(dict(kind=kind, size=size, impl=impl, xla_us=xla, us=us, speedup_vs_xla=xla / us))
-            print(f"  {kind:7s} {'L' if kind != 'decode' else 'batch'}={size:<6} {impl:12s} {xla / us:6.2f}x xla")
+            row = dict(kind=kind, size=size, impl=impl, xla_us=xla, us=us, speedup_vs_xla=xla / us)
+            line = f"  {kind:7s} {'L' if kind != 'decode' else 'batch'}={size:<6} {impl:12s} {xla / us:6.2f}x xla"
+            if (bf16 := timed.get((kind, size, "xla_bf16"))) is not None:
+                row |= dict(xla_bf16_us=bf16, speedup_vs_best_xla=min(xla, bf16) / us)
+                line += f", {min(xla, bf16) / us:6.2f}x the faster xla"
+            rows.append(row)
+            print(line)
     return rows
 
 

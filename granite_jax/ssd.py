@@ -18,6 +18,9 @@ group i // (h // g); state (b, h, p, n) in float32.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,9 +215,21 @@ def _initial(initial_state: Array | None, like: Array) -> Array:
 
 
 def ssd_chunked(
-    x: Array, dt: Array, A: Array, B: Array, C: Array, D: Array, *, chunk_size: int, initial_state: Array | None = None
+    x: Array,
+    dt: Array,
+    A: Array,
+    B: Array,
+    C: Array,
+    D: Array,
+    *,
+    chunk_size: int,
+    initial_state: Array | None = None,
+    operand_dtype: Any = None,
 ) -> tuple[Array, Array]:
-    """Chunked SSD with dot_general contractions; G = C.B is computed once per group, not per head."""
+    """Chunked SSD with dot_general contractions; G = C.B is computed once per group, not per head.
+
+    operand_dtype: None multiplies in float32 at `Precision.HIGHEST`; jnp.bfloat16 rounds each contraction's operands to
+    bfloat16 and accumulates in float32, as tensor cores do (and the Pallas kernels): XLA's fastest form on a GPU."""
     check_chunk_size(chunk_size)
     check_shapes(x, dt, A, B, C, D, initial_state)
     b, length, h, p = x.shape
@@ -226,7 +241,7 @@ def ssd_chunked(
     a = a.reshape(b, g, r, c, chunk_size)
     Bc, Cc = (_to_chunks(t.astype(jnp.float32), chunk_size) for t in (B, C))  # (b, c, l, g, n)
     a_cs = jnp.cumsum(a, axis=-1)
-    ein = lambda spec, *ops: jnp.einsum(spec, *ops, precision=_HIGHEST)
+    ein = functools.partial(_contract, operand_dtype=operand_dtype)
 
     # Intra-chunk (diagonal blocks): attention-like scores C.B masked by the decay between positions.
     G = ein("bclgn,bcsgn->bgcls", Cc, Bc)
@@ -252,6 +267,13 @@ def ssd_chunked(
     y_off = ein("bclgn,bcgrpn,bgrcl->bclgrp", Cc, states, jnp.exp(a_cs))
     y = (y_diag + y_off).reshape(b, c, chunk_size, h, p)
     return _finish(y, x, D, length), final_state
+
+
+def _contract(spec: str, *operands: Array, operand_dtype: Any = None) -> Array:
+    if operand_dtype is None:
+        return jnp.einsum(spec, *operands, precision=_HIGHEST)
+    cast = (o.astype(operand_dtype) for o in operands)
+    return jnp.einsum(spec, *cast, preferred_element_type=jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- chunked: naive

@@ -48,6 +48,9 @@ def test_smoke_run_checks_times_and_writes_speedups(tmp_path, capsys):
     for r in doc["speedups"]:  # each pairs a kernel with xla timed at the same section and size
         assert r["us"] == timed[r["kind"], r["size"], r["impl"]] and r["xla_us"] == timed[r["kind"], r["size"], "xla"]
         assert r["speedup_vs_xla"] == pytest.approx(r["xla_us"] / r["us"])
+    ssd_rows = [r for r in doc["speedups"] if r["kind"] == "ssd"]  # against XLA's faster form too (bfloat16 operands)
+    assert ssd_rows and all(r["speedup_vs_best_xla"] == pytest.approx(min(r["xla_us"], r["xla_bf16_us"]) / r["us"])
+                            for r in ssd_rows)  # fmt: skip
     assert "naive" not in {r["impl"] for r in doc["results"]}  # left out by default (its GPU compile is too slow)
     assert "rewritten" in {r["impl"] for r in doc["results"] if r["kind"] == "ssd"}
     split = [r for r in doc["results"] if r["kind"] == "split"]  # the prefill's three kernels timed apart, per length

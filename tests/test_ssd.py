@@ -123,6 +123,22 @@ def test_bfloat16_inputs_give_float32_outputs():
     assert y.dtype == s.dtype == jnp.float32 and rel(y, y_ref) < 2e-6 and rel(s, s_ref) < 2e-6
 
 
+@pytest.mark.parametrize("shape", SHAPES[1:])
+def test_bfloat16_operands_accumulate_in_float32(shape):
+    # operand_dtype=bfloat16 (tensor cores' form): each contraction's operands round to bfloat16 (relative 2^-9), the
+    # sums stay float32, so the error is the rounding's order, not more; float32 operands are 100x closer.
+    b, L, h, p, g, n, chunk = shape
+    inputs = random_inputs(np.random.default_rng(3), b, L, h, p, g, n)
+    y_ref, s_ref = float64_reference(inputs, None)
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in inputs.items()}
+    fast = jax.jit(ssd_chunked, static_argnames=("chunk_size", "operand_dtype"))
+    y, s = fast(**f32, chunk_size=chunk, operand_dtype=jnp.bfloat16)
+    y32, _ = fast(**f32, chunk_size=chunk)
+    assert y.dtype == s.dtype == jnp.float32
+    assert rel(y, y_ref) < 2e-2 and rel(s, s_ref) < 2e-2
+    assert rel(y32, y_ref) < rel(y, y_ref) / 100  # the bfloat16 form does round: the flag is not ignored
+
+
 def test_step_is_one_token_of_the_recurrence():
     rng = np.random.default_rng(9)
     inputs = random_inputs(rng, 2, 1, 4, 8, 2, 16)
