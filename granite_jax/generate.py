@@ -69,16 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples softmax(l/T)"
     )
     s.add_argument(
-        "--top-k", type=int, metavar="K", help="with --temperature: sample among the K most likely tokens (0 = all)"
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --temperature: sample among the K most likely tokens (0 = all)",
     )
     s.add_argument(
         "--top-p",
         type=float,
+        default=1.0,
         metavar="P",
         help="with --temperature: sample among the fewest most likely tokens with probability >= P, in (0, 1] "
         "(1 = all)",
     )
-    s.add_argument("--seed", type=int, help="with --temperature: random seed; the same seed gives the same output (0)")
+    s.add_argument(
+        "--seed", type=int, default=0, help="with --temperature: random seed; the same seed gives the same output (0)"
+    )
     s.add_argument(
         "--stop",
         action="append",
@@ -211,18 +218,11 @@ def _sampling_from_args(args: argparse.Namespace) -> SamplingConfig:
     stop_ids = () if args.ignore_eos else None
     if args.stop_token_id is not None:
         stop_ids = tuple(args.stop_token_id)
-    if not args.temperature > 0:  # greedy decoding would ignore them: refused rather than silently dropped
-        for flag in ("top_k", "top_p", "seed"):
-            if getattr(args, flag) is not None:
-                raise GenerationError(
-                    f"--{flag.replace('_', '-')} needs --temperature > 0: greedy decoding (the default) takes the "
-                    "most likely token and draws nothing"
-                )
-    return SamplingConfig(
+    return SamplingConfig(  # refuses sampling options that greedy decoding would ignore
         temperature=args.temperature,
-        top_k=0 if args.top_k is None else args.top_k,
-        top_p=1.0 if args.top_p is None else args.top_p,
-        seed=0 if args.seed is None else args.seed,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         stop_token_ids=stop_ids,
         stop_strings=tuple(args.stop),

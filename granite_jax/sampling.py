@@ -63,7 +63,7 @@ class SamplingConfig:
         _check(top_k <= _INT_MAX, f"top_k must be below 2**31, got {top_k!r}")
         _check(is_int(seed) and 0 <= seed < 2**32, f"seed must be an integer in [0, 2**32), got {seed!r}")
         _check(is_int(n) and n >= 1, f"max_new_tokens must be an integer >= 1, got {n!r}")
-        for name, neutral in (("top_k", 0), ("top_p", 1.0)):  # a filter greedy decoding would silently ignore
+        for name, neutral in (("top_k", 0), ("top_p", 1.0), ("seed", 0)):  # what greedy decoding would ignore
             value = getattr(self, name)
             _check(
                 temperature > 0 or value == neutral,

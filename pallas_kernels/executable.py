@@ -132,14 +132,14 @@ class _Hlo:
             gemm = "gemm" in attrs or " dot(" in self.computations[calls]
             nbytes = cost.get("bytes accessed", io_bytes) - self._gathered_unread(calls)
             return ("gemm" if gemm else "fusion"), nbytes, cost.get("flops", 0.0), True
-        if opcode == "custom-call" and "cublas" in attrs:
-            result = shape_bytes(shape.split(",")[0]) if shape.startswith("(") else shape_bytes(shape)
-            lhs = self.instructions[operands[0]][0]
-            dims = [int(d) for d in re.search(r"\[([\d,]*)\]", lhs).group(1).split(",") if d]
-            contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
-            k = math.prod(dims[int(i.strip('"'))] for i in contracting.group(1).split(",")) if contracting else 1
-            out_elems = result / _ITEM_BYTES.get(re.match(r"\(?(\w+)\[", shape).group(1), 4)
-            return "gemm", io_bytes, 2.0 * out_elems * k, True
+        if opcode == "custom-call" and "cublas" in attrs:  # result (or (result, workspace)): 2 FLOPs per product term
+            out_type, out_dims = re.search(r"(\w+)\[([\d,]*)\]", shape).groups()
+            lhs_dims = re.search(r"\[([\d,]*)\]", self.instructions[operands[0]][0]).group(1).split(",")
+            contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs).group(1)
+            k = math.prod(int(lhs_dims[int(i.strip('" '))]) for i in contracting.split(",") if i.strip('" '))
+            result = f"{out_type}[{out_dims}]"
+            nbytes = shape_bytes(result) + sum(shape_bytes(self.instructions[o][0]) for o in operands)
+            return "gemm", nbytes, 2.0 * math.prod(int(d) for d in out_dims.split(",") if d) * k, True
         if opcode == "custom-call" and "triton" in attrs:
             return "pallas", io_bytes, 0.0, False
         if opcode == "copy":
@@ -247,7 +247,7 @@ class _Walk:
             elif t.kind == "kConditional":
                 branches = [self.run(b, graphed, count, known) for b in t.sections.values()]
                 out += min(branches, key=lambda b: sum(k.seconds() for k in b), default=[])
-            elif t.kind in ("kCustomKernel", "kKernel", "kCopy", "kGemm", "kCublasLtMatmul", "kCustomCall"):
+            else:  # a kernel, a copy, a library call, a memset: one launch each
                 out.append(self._launch(t, graphed, count, known))
         return out
 

@@ -95,9 +95,9 @@ ERRORS = [  # (arguments, stdin, expected message)
     (("--model", "{ckpt}", "--prompt", "hi", "--stop-token-id", "99999", "--quiet"), None, "stop token id 99999"),
     (("--model", "{badtok}", "--prompt", "hi", "--quiet"), None, "cannot load the tokenizer (JSONDecodeError"),
     # sampling flags that greedy decoding would ignore
-    (("--model", "{ckpt}", "--prompt", "hi", "--top-p", "0.9"), None, "--top-p needs --temperature > 0: greedy"),
-    (("--model", "{ckpt}", "--prompt", "hi", "--top-k", "5"), None, "--top-k needs --temperature > 0: greedy"),
-    (("--model", "{ckpt}", "--prompt", "hi", "--seed", "3"), None, "--seed needs --temperature > 0: greedy"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--top-p", "0.9"), None, "top_p=0.9 needs temperature > 0: greedy"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--top-k", "5"), None, "top_k=5 needs temperature > 0: greedy"),
+    (("--model", "{ckpt}", "--prompt", "hi", "--seed", "3"), None, "seed=3 needs temperature > 0: greedy"),
     (
         ("--model", "{ckpt}", "--prompt", "hi", "--temperature", "inf"),
         None,

@@ -21,10 +21,10 @@ def test_shape_bytes():
     assert shape_bytes("s32[]") == 4 and shape_bytes("u8[0]") == 0
 
 
-def launches_of(fn, *args):  # compiled for an H200
+def launches_of(fn, *args, options=None):  # compiled for an H200
     from pallas_kernels import aot, executable
 
-    return executable.launches(aot.lower_for_gpu(fn, args, "h200"))
+    return executable.launches(aot.lower_for_gpu(fn, args, "h200"), options)
 
 
 @pytest.mark.aot
@@ -80,3 +80,15 @@ def test_a_fusion_gathering_rows_is_charged_for_the_rows(h200_target):
     items = launches_of(f, w, S((1536,), jnp.bfloat16), S((6,), jnp.int32))
     total = sum(k.count * k.bytes for k in items)
     assert 6 * 1536 * 1024 * 2 <= total < 0.2 * 64 * 1536 * 1024 * 2, items
+
+
+@pytest.mark.aot
+def test_a_cublas_gemm_is_charged_its_products_and_operands(h200_target):
+    # With XLA's Triton GEMMs off, the product goes to cuBLAS: a custom call returning (result, workspace).
+    def f(x, w):
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    items = launches_of(f, S((256, 512), jnp.bfloat16), S((512, 1024), jnp.bfloat16),
+                        options={"xla_gpu_enable_triton_gemm": False})  # fmt: skip
+    assert [(k.kind, k.flops) for k in items] == [("gemm", 2 * 256 * 512 * 1024)], items
+    assert items[0].bytes == (256 * 512 + 512 * 1024) * 2 + 256 * 1024 * 4  # operands and result, not the workspace

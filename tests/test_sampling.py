@@ -175,6 +175,7 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
         (dict(top_p=1.5), r"top_p must be a number in \(0, 1\], got 1.5"),
         (dict(top_k=5), r"top_k=5 needs temperature > 0: greedy decoding"),
         (dict(top_p=0.9), r"top_p=0.9 needs temperature > 0: greedy decoding"),
+        (dict(seed=3), r"seed=3 needs temperature > 0: greedy decoding"),
         (dict(top_k=-1), r"top_k must be an integer >= 0, got -1"),
         (dict(top_k=2.5), r"top_k must be an integer >= 0"),
         (dict(top_k=2**31), r"top_k must be below 2\*\*31"),
