@@ -36,7 +36,8 @@ class SamplingConfig:
     temperature: 0 = greedy (argmax); > 0 divides the logits before sampling.
     top_k: keep the k most likely tokens (0 = no limit). top_p: keep the smallest set of most likely tokens whose
     probability reaches top_p (1 = no limit); applied after top_k, as in transformers.
-    seed: the same seed, prompts and options give the same tokens.
+    seed: the same seed, prompts and options give the same tokens. top_k, top_p and seed other than their defaults
+    need temperature > 0: greedy decoding would ignore them, so they are refused.
     max_new_tokens: at most this many tokens per prompt.
     stop_token_ids: stop a sequence when it produces one of these ids (kept in `token_ids`, not in the text);
     None = the model's `eos_token_id`, () = never stop on a token.
