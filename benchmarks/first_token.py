@@ -6,10 +6,8 @@
 Each run is a fresh interpreter, timed from its start to the first byte the command streams on stdout (the first
 token's text) and to its exit. The first run starts from an empty compilation cache (a new temporary directory given
 as --compilation-cache), so it compiles everything; the later runs find the programs there, as a user's second run
-does. A cached run in an interpreter that cannot import torch is timed too (granite-jax does not depend on torch, but
-transformers' AutoTokenizer imports it when it is installed, as it is for `granite_jax.compare`), and a run with the
-cache off: what every run cost before the cache. Printed: each run's times, and the second run against the first and
-against no cache, measured side by side in this one process.
+does. A run with the cache off is timed too: what every run cost before the cache. Printed: each run's times, and the
+second run against the first and against no cache, measured side by side in this one process.
 """
 
 from __future__ import annotations
@@ -42,19 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# `python -m granite_jax.generate` in an interpreter where torch cannot be imported, as in an install of granite-jax's
-# own dependencies (torch is not one): transformers then skips importing it with AutoTokenizer (~1.3 s).
-WITHOUT_TORCH = (
-    "import runpy, sys; sys.modules['torch'] = None; sys.argv[0] = 'granite_jax.generate'; "
-    "runpy.run_module('granite_jax.generate', run_name='__main__', alter_sys=True)"
-)
-
-
-def timed_run(model: str, prompt: str, new_tokens: int, cache: str, *, torch: bool = True) -> dict[str, float]:
-    """One `generate` process: seconds from its start to its first stdout byte and to its exit. torch=False: in an
-    interpreter that cannot import torch."""
-    launch = ["-m", "granite_jax.generate"] if torch else ["-c", WITHOUT_TORCH]
-    command = [sys.executable, *launch, "--model", model, "--prompt", prompt, "--quiet"]
+def timed_run(model: str, prompt: str, new_tokens: int, cache: str) -> dict[str, float]:
+    """One `generate` process: seconds from its start to its first stdout byte and to its exit."""
+    command = [sys.executable, "-m", "granite_jax.generate", "--model", model, "--prompt", prompt, "--quiet"]
     command += ["--max-new-tokens", str(new_tokens), "--ignore-eos", "--stream", "--compilation-cache", cache]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_ENABLE_COMP"))}
     start = time.perf_counter()
@@ -77,16 +65,14 @@ def main(argv=None) -> int:
         model = args.model or make_checkpoint(os.path.join(tmp, "tiny-random"))
         cache = os.path.join(tmp, "xla")
         runs = [timed_run(model, args.prompt, args.max_new_tokens, cache) for _ in range(args.runs)]
-        without_torch = timed_run(model, args.prompt, args.max_new_tokens, cache, torch=False)
         uncached = timed_run(model, args.prompt, args.max_new_tokens, "off")
     labels = ["first run (empty cache)", *(f"run {i + 2} (cached)" for i in range(len(runs) - 1))]
-    for label, run in [*zip(labels, runs), ("cached, torch absent", without_torch), ("cache off", uncached)]:
+    for label, run in [*zip(labels, runs), ("cache off", uncached)]:
         print(f"{label:24} first token {run['first_token_s']:5.2f} s   exit {run['total_s']:5.2f} s")
     second = runs[-1]["first_token_s"] if len(runs) > 1 else float("nan")
     print(
         f"second run's first token: {second / runs[0]['first_token_s']:.2f}x the first run's, "
-        f"{second / uncached['first_token_s']:.2f}x an uncached run's; without torch installed "
-        f"{without_torch['first_token_s']:.2f} s"
+        f"{second / uncached['first_token_s']:.2f}x an uncached run's"
     )
     if args.json:
         doc = dict(
@@ -94,7 +80,6 @@ def main(argv=None) -> int:
             model=args.model or "random tiny checkpoint (granite_jax.testing)",
             max_new_tokens=args.max_new_tokens,
             runs=runs,
-            cached_without_torch=without_torch,
             cache_off=uncached,
             environment=environment(),
         )

@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         metavar="DIR",
         help="checkpoint directory: a Hugging Face GraniteMoeHybrid checkpoint (config.json, *.safetensors) with its "
-        "tokenizer files, or its orbax conversion (python -m granite_jax.convert); the tokenizer is loaded with "
-        "transformers' AutoTokenizer from local files only. "
+        "tokenizer files, or its orbax conversion (python -m granite_jax.convert); the tokenizer is the one "
+        "transformers' AutoTokenizer loads, from local files only. "
         "Required until a checkpoint ships with granite-jax.",
     )
     io.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for a batch")
