@@ -1,0 +1,161 @@
+"""Device memory of a Granite 4.0 model serving `sessions` sequences of up to `context` tokens, predicted part by part
+without allocating anything.
+
+Weights, the KV cache and the Mamba states are exact: they are the byte sizes of the arrays the model and its `Cache`
+are made of (shape-only, through `jax.eval_shape`), so they follow the model's own layout and dtypes (float8 weights
+carry their scales). A hybrid's KV cache grows with the context in its attention layers only; each Mamba layer keeps a
+conv ring (K inputs of the conv width) and an SSM state (h, p, n) in float32 per sequence, whatever the context.
+
+The activations are an estimate of the largest set of buffers alive at once while a prefill segment runs (the
+generator prefills every session's segment in one call): the residual stream and the logits of the last position,
+plus the largest layer's working set, counted from the shapes of `granite_jax.model`'s computation:
+- Mamba: the in_proj output, the conv output and the gated output in float32, and the chunked SSD's per-chunk
+  (l, l) decay and score matrices per head and its chunk states (`granite_jax.ssd.ssd_chunked`);
+- attention: q, k, v, and a block of KV_BLOCK keys' float32 scores and probabilities (`attend_cache`'s online
+  softmax), with its running output;
+- the feed-forward: the k routed copies of each token, their SwiGLU input and output, and the shared MLP's.
+- on a CPU computing in a narrower dtype than float32, XLA:CPU widens every matrix's weights to float32 for its
+  products and holds those copies at once: twice the narrow weights' bytes (GPUs multiply bfloat16 natively).
+XLA fuses some of these and adds copies of its own (two of an attention layer's updated K and V, counted);
+`tests/test_memory.py` holds the estimate to the compiled program's own memory analysis on small configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from granite_jax.config import ATTENTION, MAMBA, ModelConfig
+from granite_jax.model import KV_BLOCK, Cache, KVState, MambaState, abstract_model
+
+PARTS = ("weights", "kv_cache", "mamba_state", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes of each part (PARTS) for `sessions` sequences of `context` tokens, prefilled `prefill_chunk` at a time."""
+
+    weights: int
+    kv_cache: int
+    mamba_state: int
+    activations: int
+    context: int
+    sessions: int
+    prefill_chunk: int
+    weight_dtype: str
+    dtype: str
+    platform: str
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, p) for p in PARTS)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"total": self.total}
+
+
+def _nbytes(tree) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def weight_bytes(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, weight_dtype: Any = jnp.bfloat16) -> int:
+    """Bytes of the model's parameters as `granite_jax` holds them (shape-only: nothing is allocated)."""
+    return _nbytes(nnx.state(abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype), nnx.Param))
+
+
+def cache_bytes(cfg: ModelConfig, *, context: int, sessions: int, dtype: Any = jnp.bfloat16) -> tuple[int, int]:
+    """(KV cache bytes, Mamba state bytes) of `sessions` sequences with `context` KV slots each."""
+    cache = jax.eval_shape(lambda: Cache.init(cfg, sessions, context, dtype))
+    kv = sum(_nbytes(s) for s in cache.layers if isinstance(s, KVState))
+    mamba = sum(_nbytes(s) for s in cache.layers if isinstance(s, MambaState))
+    return kv, mamba
+
+
+def activation_bytes(
+    cfg: ModelConfig, *, rows: int, tokens: int, context: int, dtype: Any = jnp.bfloat16, platform: str = "gpu"
+) -> int:
+    """Estimated peak bytes of the buffers a prefill segment of `tokens` tokens for `rows` rows holds at once on
+    `platform` ("gpu" or "cpu")."""
+    a, f32, n = jnp.dtype(dtype).itemsize, 4, rows * tokens
+    residual = 2 * n * cfg.hidden_size * f32 + rows * cfg.vocab_size * f32
+    layers = {kind: 0 for kind in cfg.layer_types}
+    if MAMBA in layers:
+        h, chunk = cfg.mamba_n_heads, min(cfg.mamba_chunk_size, tokens)
+        states = 2 * f32 * h * cfg.mamba_d_head * cfg.mamba_d_state
+        ssd = rows * math.ceil(tokens / chunk) * (f32 * chunk * chunk * (2 * h + cfg.mamba_n_groups) + states)
+        mixer = n * (a * cfg.mamba_in_proj_dim + f32 * (cfg.mamba_conv_dim + 2 * cfg.mamba_d_inner))
+        layers[MAMBA] = mixer + ssd
+    if ATTENTION in layers:
+        q_heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        block = min(KV_BLOCK, context)
+        qkv = n * a * (q_heads + 2 * kv_heads) * hd
+        kv_copies = 2 * 2 * rows * kv_heads * context * hd * a  # XLA keeps two copies of the layer's updated K and V
+        layers[ATTENTION] = qkv + n * f32 * q_heads * (2 * block + hd) + kv_copies
+    ffn = n * a * 3 * cfg.shared_intermediate_size
+    if cfg.num_local_experts:
+        routed = n * cfg.num_experts_per_tok
+        ffn += routed * a * (2 * cfg.hidden_size + 3 * cfg.intermediate_size) + n * f32 * cfg.num_local_experts
+    widened = 0
+    if platform == "cpu" and a < f32:
+        widened = 2 * weight_bytes(cfg, dtype=dtype, weight_dtype=dtype) - _embedding_bytes(cfg, a)
+    return residual + max(max(layers.values()), ffn) + widened
+
+
+def _embedding_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes of an untied embedding table (gathered from, never widened); 0 when it is the tied head."""
+    return 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize * 2
+
+
+def predict(
+    cfg: ModelConfig,
+    *,
+    context: int,
+    sessions: int = 1,
+    dtype: Any = jnp.bfloat16,
+    weight_dtype: Any = None,
+    prefill_chunk: int = 512,
+    platform: str = "gpu",
+) -> MemoryPlan:
+    """The memory of `sessions` sequences of up to `context` tokens (prompt and generated), computing in `dtype` with
+    weights in `weight_dtype` (None: `dtype`), prompts prefilled `prefill_chunk` tokens at a time for all sessions."""
+    weight_dtype = dtype if weight_dtype is None else weight_dtype
+    kv, mamba = cache_bytes(cfg, context=context, sessions=sessions, dtype=dtype)
+    chunk = min(prefill_chunk, context)
+    return MemoryPlan(
+        weights=weight_bytes(cfg, dtype=dtype, weight_dtype=weight_dtype),
+        kv_cache=kv,
+        mamba_state=mamba,
+        activations=activation_bytes(cfg, rows=sessions, tokens=chunk, context=context, dtype=dtype, platform=platform),
+        context=context,
+        sessions=sessions,
+        prefill_chunk=chunk,
+        weight_dtype=jnp.dtype(weight_dtype).name,
+        dtype=jnp.dtype(dtype).name,
+        platform=platform,
+    )
+
+
+def fit(cfg: ModelConfig, capacity: int, *, context: int | None = None, sessions: int | None = None, **options) -> int:
+    """The largest context (given `sessions`) or session count (given `context`) whose `predict(...)` total fits in
+    `capacity` bytes; 0 if none does. `options` go to `predict`."""
+    if (context is None) == (sessions is None):
+        raise ValueError("fit: give exactly one of context and sessions")
+
+    def fits(x: int) -> bool:
+        given = dict(context=x, sessions=sessions) if context is None else dict(context=context, sessions=x)
+        return predict(cfg, **given, **options).total <= capacity
+
+    low, high = 0, 1
+    while fits(high):  # the totals grow with both
+        low, high = high, high * 2
+        if high > 1 << 40:
+            return low
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
