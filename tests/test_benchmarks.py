@@ -9,6 +9,7 @@ scripts themselves are exercised in test_experiment.py, test_gpu_benchmark.py an
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import runpy
@@ -146,3 +147,25 @@ def test_help_documents_every_flag_and_its_default(script, capsys):
     assert sorted(entries) == sorted(FLAGS[script].split())
     for flag, text in entries.items():
         assert "(default: " in " ".join(text.split()), f"{script} {flag}: no help text or no default shown:\n{text}"
+
+
+def test_memory_saving_predicts_the_hybrid_saving_more_as_the_context_grows(tmp_path, capsys):
+    from conftest import load_script
+
+    out = tmp_path / "saving.json"
+    script = load_script(os.path.join(ROOT, "benchmarks/memory_saving.py"))
+    # h-350m: the same comparison as h-tiny's at half the cost of building the abstract models; 2 GB: a short fit
+    args = ["--shape", "granite-4.0-h-350m", "--contexts", "4096,65536", "--sessions", "2", "--capacity", "2GB"]
+    assert script.main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "prediction" and doc["capacity_bytes"] == 2e9 and "| 64K | 2 |" in capsys.readouterr().out
+    (short, long), (h, a) = doc["rows"], (doc["configs"]["hybrid"], doc["configs"]["attention_only"])
+    assert a["layers"] == h["layers"] == len(a["attention_layers"]) > len(h["attention_layers"])  # all attention
+    assert a["q_heads"] * a["head_dim"] == a["hidden_size"] == h["hidden_size"]  # micro's layout at the same width
+    per_token = {k: len(c["attention_layers"]) * c["kv_heads"] * c["head_dim"] for k, c in (("h", h), ("a", a))}
+    for r in (short, long):  # the KV caches in proportion to their layers' kv heads * head_dim
+        assert r["attention_only"]["kv_cache"] * per_token["h"] == r["hybrid"]["kv_cache"] * per_token["a"]
+    assert long["saving_total"] > short["saving_total"] and long["saving_kv_and_state"] > short["saving_kv_and_state"]
+    for r, model in ((r, m) for r in (short, long) for m in ("hybrid", "attention_only")):
+        assert r[f"{model}_fits"] == (r[model]["total"] <= 2e9)
+    assert doc["fits"][0]["hybrid_context"] > doc["fits"][0]["attention_only_context"] > 0
