@@ -27,12 +27,9 @@ plan's activations hold copies of one attention layer's K and V, twice as wide i
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import os
 import re
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,21 +94,6 @@ def attention_only(cfg: Any) -> Any:
     )
 
 
-@contextlib.contextmanager
-def weights_computed_once() -> Iterator[None]:
-    """`predict` rebuilds the abstract model for its weight bytes on every call (~2.5 s for h-tiny) and `fit` calls it
-    ~50 times; the bytes depend only on the config and dtypes, so they are memoized while this script runs (plan's own
-    function is restored after, so nothing outside sees the change)."""
-    from granite_jax.memory import plan
-
-    original = plan.weight_bytes
-    plan.weight_bytes = functools.cache(original)
-    try:
-        yield
-    finally:
-        plan.weight_bytes = original
-
-
 def dtype_options(name: str) -> dict[str, Any]:
     """`predict`'s dtype keywords for --dtype: float8 is a weight format over bfloat16 arithmetic."""
     import jax.numpy as jnp
@@ -155,7 +137,7 @@ def summary(cfg: Any, options: dict[str, Any]) -> dict[str, Any]:
     """A config's mixer layout and size: parameters counted as bfloat16 weight bytes / 2."""
     import jax.numpy as jnp
 
-    from granite_jax.memory import plan  # its weight_bytes: memoized within weights_computed_once
+    from granite_jax.memory import plan
 
     wide = plan.weight_bytes(cfg, dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16)
     return dict(
@@ -266,14 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     models = dict(hybrid=hybrid, attention_only=attention_only(hybrid))
     names = dict(hybrid=args.shape.removeprefix("granite-4.0-"), attention_only="attention-only")
     options = dtype_options(args.dtype)
-    with weights_computed_once():
-        configs = {k: summary(cfg, options) for k, cfg in models.items()}
-        rows = [
-            row(*(predict(cfg, context=t, sessions=s, **options) for cfg in models.values()), args.capacity)
-            for s in args.sessions
-            for t in args.contexts
-        ]
-        fits = largest(models, args.capacity, args.sessions, options)
+    configs = {k: summary(cfg, options) for k, cfg in models.items()}
+    rows = [
+        row(*(predict(cfg, context=t, sessions=s, **options) for cfg in models.values()), args.capacity)
+        for s in args.sessions
+        for t in args.contexts
+    ]
+    fits = largest(models, args.capacity, args.sessions, options)
     for key, c in configs.items():
         print(
             f"{names[key]}: {c['layers'] - c['mamba_layers']} attention layers of {c['q_heads']} q / {c['kv_heads']} "

@@ -27,7 +27,8 @@ from types import FrameType
 
 from granite_jax import cli
 from granite_jax.checkpoint import (
-    DTYPES,
+    FLOAT8,
+    WEIGHT_DTYPES,
     CheckpointError,
     check_writable,
     is_orbax_checkpoint,
@@ -54,10 +55,11 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     name = dtype
     if dtype == "auto":  # the dtype the safetensors store (their headers); float32 if they mix dtypes or hold float64
         stored = stored_dtype(model_dir)
-        name = stored if stored in DTYPES else "float32"
-    if name not in DTYPES:
-        raise CheckpointError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}")
-    model = load_model(model_dir, dtype=name, progress=progress)
+        name = stored if stored in WEIGHT_DTYPES else "float32"
+    if name not in WEIGHT_DTYPES:
+        raise CheckpointError(f"dtype must be auto or one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    arithmetic = "bfloat16" if name == FLOAT8 else name  # float8 is a storage format (checkpoint.dtypes)
+    model = load_model(model_dir, dtype=arithmetic, weight_dtype=name, progress=progress)
     return save_checkpoint(model, out_dir, copy_from=model_dir, source=os.path.abspath(model_dir))
 
 
@@ -73,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="auto",
-        choices=("auto", *DTYPES),
+        choices=("auto", *WEIGHT_DTYPES),
         help="dtype to store the parameters in; 'auto' (default) keeps the dtype the checkpoint's tensors are "
-        "stored in (float32 if they mix dtypes)",
+        "stored in (float32 if they mix dtypes); 'float8' quantizes the matrices to float8 (e4m3) with one scale "
+        "per output channel and keeps the rest in bfloat16",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     cli.add_cache_argument(p)

@@ -7,12 +7,16 @@ formulations that suit a GPU better than the model's plain ones. Plain JAX, so i
   (a group's last block padded with zero rows), and multiplied block by block with their expert's matrix: one batched
   GEMM, as MegaBlocks' block-sparse products do (Gale et al. 2023). There are at most ceil(R / block) + E blocks, so
   the shapes are static.
+- `scaled_linear` (float8 weights): tensor cores' float8 GEMM. The activations are quantized to float8 per row as the
+  product runs (scale max|x| / 448, as the released FP8 checkpoints' "dynamic, per token" activations are), multiplied
+  with the float8 weights accumulating in float32, and each output rescaled by its row's and its channel's scales:
+  x @ (s_w w)^T = s_x s_w (x / s_x) @ w^T. XLA lowers a float8 x float8 dot to cuBLASLt's FP8 GEMM on Hopper.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import Array
+from jax import Array, lax
 
 from granite_jax import model, ops
 
@@ -52,11 +56,28 @@ def grouped_expert_linear(x: Array, w: Array, experts: Array, block: int | None 
     return jnp.zeros((R, y.shape[-1]), y.dtype).at[order].set(y[slot], unique_indices=True)
 
 
+def float8_linear(x: Array, w: Array, scale: Array) -> Array:
+    """x (..., K) @ (scale[:, None] * w)^T for a float8 w (N, K), with x quantized to float8 per row."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    row_scale = jnp.where(amax > 0, amax / model.FLOAT8_MAX, 1.0)
+    q = (x32 / row_scale).astype(w.dtype)
+    y = lax.dot_general(q, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * row_scale * scale).astype(x.dtype)
+
+
+def _scaled_linear(reference, x: Array, w: Array, scale: Array) -> Array:
+    if not model.is_float8(w.dtype) or x.dtype == jnp.float32:  # float32 arithmetic asks for the plain widening
+        return reference(x, w, scale)
+    return float8_linear(x, w, scale)
+
+
 def _expert_linear(reference, x: Array, w: Array, experts: Array) -> Array:
     if x.shape[0] < GROUPED_ROWS:  # the plain body: the chosen experts gathered (decoding), or a dense product
         return reference(x, w, experts)
     return grouped_expert_linear(x, w, experts)
 
 
-ops.backend("gpu").describe = lambda: "grouped expert products"
+ops.backend("gpu").describe = lambda: "grouped expert products; float8 GEMMs"
 ops.register("gpu", model.expert_linear, _expert_linear)
+ops.register("gpu", model.scaled_linear, _scaled_linear)

@@ -35,6 +35,11 @@ _MASKED = -1e30  # finite, so fully masked (padding) rows give a harmless unifor
 # Cache slots per step of `attend_cache`: a one-token decode step visits up to a block of unfilled slots.
 KV_BLOCK, DECODE_KV_BLOCK = 512, 256
 GATHER_ROWS = 64  # up to this many rows `expert_linear` gathers the chosen experts' matrices; beyond, it groups rows
+# Float8 weights: the matrices of the projections, the shared MLP and the experts in float8 (e4m3) with one float32
+# scale per output channel, as the released FP8 checkpoints store them (compressed-tensors "float-quantized",
+# strategy "channel"); the embedding, the router, the norms and the Mamba mixer's vectors stay in bfloat16.
+FLOAT8 = jnp.dtype(jnp.float8_e4m3fn)
+FLOAT8_MAX = float(jnp.finfo(FLOAT8).max)  # 448
 
 
 # ---------------------------------------------------------------------------------------------- cache
@@ -109,23 +114,57 @@ class Positions:
 # ---------------------------------------------------------------------------------------------- products, norms
 
 
+def is_float8(dtype: DTypeLike) -> bool:
+    return jnp.dtype(dtype) == FLOAT8
+
+
+def dense_dtype(param_dtype: DTypeLike) -> DTypeLike:
+    """The dtype of the parameters that are not quantized matrices: bfloat16 beside float8 weights."""
+    return jnp.bfloat16 if is_float8(param_dtype) else param_dtype
+
+
+def quantize(w: Array, axis: int) -> tuple[Array, Array]:
+    """Symmetric float8 quantization with one scale per slice along every axis but `axis` (the input channels):
+    (q, scale) with w ~ q * scale, scale = max |w| / 448 in float32 (1 for an all-zero channel)."""
+    w = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FLOAT8_MAX, 1.0)
+    return (w / scale).astype(FLOAT8), jnp.squeeze(scale, axis)
+
+
 @ops.replaceable
 def linear(x: Array, w: Array) -> Array:
     """x (..., K) @ w (N, K)^T in x's dtype, w cast to it where it is used."""
     return lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
+@ops.replaceable
+def scaled_linear(x: Array, w: Array, scale: Array) -> Array:
+    """x (..., K) @ (scale[:, None] * w)^T for a float8 w (N, K) with one scale per output channel: w widened to x's
+    dtype, the products accumulated in float32, each output channel then scaled (exact: its scale is a common
+    factor of its dot product)."""
+    y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
 class Linear(nnx.Module):
     """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint: the product contracts W's contiguous axis,
-    the one a decode step's matrix-vector product streams."""
+    the one a decode step's matrix-vector product streams. Under float8 weights W is kept quantized with its
+    per-output-channel `weight_scale`."""
 
     def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
-        self.weight = nnx.Param(init(rngs.params(), (d_out, d_in), param_dtype))
+        w, scale = init(rngs.params(), (d_out, d_in), jnp.float32 if is_float8(param_dtype) else param_dtype), None
+        if is_float8(param_dtype):
+            w, scale = quantize(w, axis=1)
+        self.weight = nnx.Param(w)
+        self.weight_scale = None if scale is None else nnx.Param(scale)
         self.dtype = dtype
 
     def __call__(self, x: Array) -> Array:
-        return linear(x.astype(self.dtype), self.weight[...])
+        if self.weight_scale is None:
+            return linear(x.astype(self.dtype), self.weight[...])
+        return scaled_linear(x.astype(self.dtype), self.weight[...], self.weight_scale[...])
 
 
 @ops.replaceable
@@ -229,7 +268,7 @@ class MambaMixer(nnx.Module):
         h, conv_dim = cfg.mamba_n_heads, cfg.mamba_conv_dim
         linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.in_proj = Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear_kw)
-        bound = 1 / math.sqrt(cfg.mamba_d_conv)
+        bound, param_dtype = 1 / math.sqrt(cfg.mamba_d_conv), dense_dtype(param_dtype)  # the vectors below
         self.conv_weight = nnx.Param(
             jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
         )
@@ -416,10 +455,9 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        init = nnx.initializers.normal(0.02)
-        self.router = Linear(H, E, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_linear = nnx.Param(init(rngs.params(), (E, H, 2 * F), param_dtype))
-        self.output_linear = nnx.Param(init(rngs.params(), (E, F, H), param_dtype))
+        self.router = Linear(H, E, dtype=dtype, param_dtype=dense_dtype(param_dtype), rngs=rngs)
+        self.input_linear, self.input_linear_scale = _experts(rngs, (E, H, 2 * F), param_dtype)
+        self.output_linear, self.output_linear_scale = _experts(rngs, (E, F, H), param_dtype)
 
     def __call__(self, x: Array) -> Array:
         shape = x.shape
@@ -429,9 +467,23 @@ class MoE(nnx.Module):
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
         N, k = experts.shape
         rows, chosen = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # one per (token, expert)
-        h = swiglu(expert_linear(rows, self.input_linear[...], chosen))
-        y = expert_linear(h, self.output_linear[...], chosen).reshape(N, k, -1)
-        return jnp.einsum("nkd,nk->nd", y, gates).reshape(shape)
+        h = swiglu(_scaled(expert_linear(rows, self.input_linear[...], chosen), self.input_linear_scale, chosen))
+        y = _scaled(expert_linear(h, self.output_linear[...], chosen), self.output_linear_scale, chosen)
+        return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates).reshape(shape)
+
+
+def _experts(rngs: nnx.Rngs, shape: tuple[int, int, int], param_dtype) -> tuple[nnx.Param, nnx.Param | None]:
+    """The experts' matrices (E, in, out), and under float8 weights their scales (E, out), one per output channel."""
+    w = nnx.initializers.normal(0.02)(rngs.params(), shape, jnp.float32 if is_float8(param_dtype) else param_dtype)
+    if not is_float8(param_dtype):
+        return nnx.Param(w), None
+    w, scale = quantize(w, axis=1)
+    return nnx.Param(w), nnx.Param(scale)
+
+
+def _scaled(y: Array, scale: nnx.Param | None, experts: Array) -> Array:
+    """Rows y (R, out) of float8 experts' products times their experts' output scales (scale (E, out))."""
+    return y if scale is None else (y.astype(jnp.float32) * scale[...][experts]).astype(y.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- decoder
@@ -441,8 +493,9 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, kind: str, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.kind, self.residual_multiplier = kind, cfg.residual_multiplier
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        norm_kw = dict(param_dtype=dense_dtype(param_dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.mamba = MambaMixer(cfg, **kw) if kind == MAMBA else None
         self.self_attn = Attention(cfg, **kw) if kind == ATTENTION else None
         self.block_sparse_moe = MoE(cfg, **kw) if cfg.num_local_experts else None
@@ -478,15 +531,16 @@ class Granite(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.cfg, self.dtype, self.runtime = cfg, dtype, runtime or Runtime()
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        dense = dense_dtype(param_dtype)  # the embedding is the tied head: float8 weights keep it in bfloat16
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dense, rngs=rngs)
         self.layers = nnx.List(
             [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dense)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=dense, rngs=rngs)
         )
 
     def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:
@@ -617,8 +671,11 @@ def count_params(model: Granite) -> int:
 
 
 def weight_dtype(model: Granite) -> str | list[str]:
-    """The dtype name of the model's parameters, or their sorted names if they mix dtypes."""
+    """The dtype name of the model's parameters ("float8" for float8 matrices beside bfloat16 and their float32
+    scales), or their sorted names if they mix dtypes otherwise."""
     names = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(nnx.state(model, nnx.Param))})
+    if FLOAT8.name in names:
+        return "float8"
     return names[0] if len(names) == 1 else names
 
 
@@ -627,6 +684,24 @@ def with_runtime(model: Granite, runtime: Runtime) -> Granite:
     graphdef, state = nnx.split(model)
     other = nnx.merge(graphdef, state)
     other.runtime = runtime
+    return other
+
+
+def with_float8_weights(model: Granite) -> Granite:
+    """The model with its matrices quantized to float8, one scale per output channel (`quantize`), and its other
+    parameters in bfloat16."""
+    other = abstract_model(model.cfg, dtype=model.dtype, param_dtype=FLOAT8, runtime=model.runtime)
+    source = {path: v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    state = nnx.state(other, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    for path, v in flat.items():
+        if is_float8(v.dtype):
+            q, scale = quantize(source[path], axis=1)
+            flat[path].set_value(q)
+            flat[(*path[:-1], path[-1] + "_scale")].set_value(scale)
+        elif path in source:
+            v.set_value(source[path].astype(v.dtype))
+    nnx.update(other, nnx.from_flat_state(flat))
     return other
 
 

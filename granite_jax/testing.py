@@ -8,7 +8,10 @@ BPE trained in-process on a small built-in text, saved with a Granite-style chat
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import shutil
 from typing import Any
 
 import numpy as np
@@ -103,6 +106,64 @@ def make_checkpoint(
     with _quiet_transformers():
         model.save_pretrained(out_dir, **kwargs)
     return out_dir
+
+
+# The matrices the released FP8 checkpoints quantize: every Linear and the experts, not the router nor the head.
+FLOAT8_TARGETS = re.compile(
+    r"model\.layers\.\d+\.(mamba\.(in|out)_proj|self_attn\.[qkvo]_proj|shared_mlp\.(input|output)_linear"
+    r"|block_sparse_moe\.(input|output)_linear)\.weight"
+)
+FLOAT8_QUANTIZATION = {  # config.json's block, as llm-compressor's FP8_DYNAMIC scheme writes it
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear", "GraniteMoeHybridParallelExpertsLinear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "symmetric": True,
+                "dynamic": True,
+            },
+        }
+    },
+    "ignore": ["lm_head", "re:.*block_sparse_moe.router"],
+}
+
+
+def make_float8_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dequantized: bool = False) -> str:
+    """Write `src_dir`'s checkpoint in the released FP8 checkpoints' format, quantized with torch (independently of
+    granite-jax): FLOAT8_TARGETS as float8 e4m3 with a bfloat16 `weight_scale` per output channel ([out, 1], the
+    experts' [E, out, 1]; scale = max |w| / 448 over the input channels), the rest in bfloat16, and config.json's
+    `quantization_config`. dequantized: instead, the float32 checkpoint of exactly those values (q * scale), with no
+    quantization_config: what the float8 one means."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = os.fspath(src_dir), os.fspath(out_dir)
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors", "config.json"))
+    tensors = {}
+    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if not FLOAT8_TARGETS.fullmatch(name):
+            tensors[name] = w.to(torch.bfloat16).to(torch.float32 if dequantized else torch.bfloat16)
+            continue
+        scale = (w.float().abs().amax(dim=-1, keepdim=True) / 448.0).clamp_min(1e-12).to(torch.bfloat16)
+        q = (w.float() / scale.float()).to(torch.float8_e4m3fn)
+        if dequantized:
+            tensors[name] = q.float() * scale.float()
+        else:
+            tensors[name], tensors[name + "_scale"] = q, scale
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    if not dequantized:
+        config["quantization_config"] = FLOAT8_QUANTIZATION
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return out
 
 
 @contextlib.contextmanager

@@ -259,7 +259,8 @@ def test_bad_orbax_marker_is_named(tmp_path, content, message):
 @pytest.mark.parametrize("argument", ["dtype", "weight_dtype"])
 @pytest.mark.parametrize("value", ["bf16", "float33", 5, jnp.int32, jnp.int8, np.float64, True])
 def test_unsupported_dtype_is_named_with_the_accepted_ones(tiny_checkpoint, argument, value):
-    message = rf"{argument} must be one of float32, bfloat16, float16, got {re.escape(repr(value))}"
+    names = "float32, bfloat16, float16" + (", float8" if argument == "weight_dtype" else "")
+    message = rf"{argument} must be one of {names}, got {re.escape(repr(value))}"
     with pytest.raises(ValueError, match=message):
         load_model(tiny_checkpoint, **{argument: value})
 

@@ -122,7 +122,7 @@ def test_bfloat16_checkpoint_on_bfloat16_weights_matches_transformers_in_float32
     packed = [a for arrays in generator.prepared(len(PROMPTS)).values() for a in arrays.values()]
     assert {a.dtype for a in packed} <= {jnp.dtype(jnp.bfloat16)}  # the CPU kernels' panels, where they run
     assert [list(r.token_ids) for r in results] == hf_greedy(d, PROMPTS)
-    with pytest.raises(ValueError, match="weight_dtype must be one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(ValueError, match="weight_dtype must be one of float32, bfloat16, float16, float8, got 'int8'"):
         Generator(d, weight_dtype="int8")
 
 

@@ -6,6 +6,9 @@ widens bfloat16 weights in registers (`ops.Backend.widens_weights`: the CPU kern
 about half the batch-1 decode traffic. So weight dtype "auto" is bfloat16 when computing in float32 on a checkpoint
 stored in bfloat16 (the released ones are) where such a backend runs, and `dtype` otherwise: elsewhere XLA widens the
 weights before their products and may hold a float32 copy of them all at once.
+
+Weight dtype "float8" keeps the matrices in float8 (e4m3) with one scale per output channel and the rest in bfloat16
+(`model.FLOAT8`); it is a storage format, not an arithmetic one. A float8 checkpoint loads as float8 under "auto".
 """
 
 from __future__ import annotations
@@ -18,17 +21,23 @@ from granite_jax import ops
 from granite_jax.errors import InputError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # the names commands take
+WEIGHT_DTYPES = DTYPES | {"float8": jnp.float8_e4m3fn}
+FLOAT8 = "float8"
 AUTO = "auto"
 
 
-def dtype_name(name: str, value: Any) -> str:
-    """`value` (a name in DTYPES, or the jnp/np dtype of one) as its name; InputError naming `name` otherwise."""
+def dtype_name(name: str, value: Any, names: dict[str, Any] = DTYPES) -> str:
+    """`value` (a name in `names`, or the jnp/np dtype of one) as its name; InputError naming `name` otherwise."""
+    if isinstance(value, str) and value == FLOAT8 and FLOAT8 in names:
+        return FLOAT8
     try:
         found = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
     except (TypeError, ValueError):
         found = None
-    if found not in DTYPES:
-        raise InputError(f"{name} must be one of {', '.join(DTYPES)}, got {value!r}")
+    found = FLOAT8 if found == jnp.dtype(WEIGHT_DTYPES[FLOAT8]).name and FLOAT8 in names else found
+    if found not in names:
+        also = " (float8 is a format for weights: compute in bfloat16 over float8 weights)" if value == FLOAT8 else ""
+        raise InputError(f"{name} must be one of {', '.join(names)}, got {value!r}{also}")
     return found
 
 
@@ -38,6 +47,8 @@ def weight_dtype_name(dtype: str, weight_dtype: Any, stored: str | None, runtime
     if weight_dtype is None:
         return dtype
     if isinstance(weight_dtype, str) and weight_dtype == AUTO:
+        if stored == FLOAT8:
+            return FLOAT8
         narrow = dtype == "float32" and stored == "bfloat16" and ops.widens_weights(runtime)
         return "bfloat16" if narrow else dtype
-    return dtype_name("weight_dtype", weight_dtype)
+    return dtype_name("weight_dtype", weight_dtype, WEIGHT_DTYPES)

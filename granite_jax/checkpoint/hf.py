@@ -2,10 +2,15 @@
 
 A table maps every checkpoint name to a path in the NNX state and a transform (linear weights keep torch's
 [out, in] layout, see `model.Linear`; expert weights and the conv are rearranged); each tensor's shape is checked
-against the abstract model before it is placed, and so is its dtype (a floating-point one: integer or 8-bit tensors of a
-quantized checkpoint are refused, not cast). Tensors are read one at a time and cast to the requested dtype, so peak
-host memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are
-refused, never unpickled. `export_safetensors` writes a model back through the same table, inverted.
+against the abstract model before it is placed, and so is its dtype (a floating-point one: integer tensors are
+refused, not cast). Tensors are read one at a time and cast to the dtype of the parameter they become, so peak host
+memory stays near one copy of the model. Only safetensors are read: pickled `.bin`/`.pt` checkpoints are refused,
+never unpickled. `export_safetensors` writes a model back through the same table, inverted.
+
+Float8 weights (`model.FLOAT8`): a model with them takes a float8 checkpoint's matrices and their `weight_scale`s as
+they are, and quantizes a wider checkpoint's matrices as it loads them, one tensor at a time. Float8 checkpoints are the
+released FP8 ones' format: compressed-tensors "float-quantized", 8-bit float weights with one scale per output channel
+([out, 1]; [E, out, 1] for the experts), activations quantized dynamically (nothing stored for them).
 """
 
 from __future__ import annotations
@@ -25,9 +30,11 @@ from tqdm.auto import tqdm
 
 from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.errors import CheckpointError
+from granite_jax.model import FLOAT8, quantize
 
-WEIGHT_DTYPES = ("float32", "bfloat16", "float16", "float64")  # cast to the requested dtype; anything else is an error
+SOURCE_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn")  # anything else is an error
 SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+FLOAT8_STORED = "F8_E4M3"  # safetensors' name; its numpy reader has no float8 type, so these are read from the bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +48,7 @@ class Transform:
 KEEP = Transform(lambda w: w, lambda s: s)
 EXPERTS = Transform(lambda w: w.transpose(0, 2, 1), lambda s: (s[0], s[2], s[1]))  # [E, out, in] -> [E, in, out]
 CONV = Transform(lambda w: w[:, 0, :].T, lambda s: (s[1], 1, s[0]))  # depthwise Conv1d [C, 1, K] -> [K, C]
+SCALE = Transform(lambda w: w[..., 0], lambda s: (*s, 1))  # a float8 matrix's scales [..., out, 1] -> [..., out]
 # (checkpoint name regex, NNX state path template, transform)
 _L = r"model\.layers\.(\d+)\."
 NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
@@ -61,7 +69,17 @@ NAME_MAP: tuple[tuple[str, str, Transform], ...] = (
     (_L + r"block_sparse_moe\.experts\.gate_up_proj", r"layers.\1.block_sparse_moe.input_linear", EXPERTS),
     (_L + r"block_sparse_moe\.experts\.down_proj", r"layers.\1.block_sparse_moe.output_linear", EXPERTS),
     (_L + r"shared_mlp\.(input|output)_linear\.weight", r"layers.\1.shared_mlp.\2_linear.weight", KEEP),
+    # float8 checkpoints: each quantized matrix's per-output-channel scales (SCALE_SUFFIX on its parameter's path)
+    (_L + r"mamba\.(in_proj|out_proj)\.weight_scale", r"layers.\1.mamba.\2.weight_scale", SCALE),
+    (_L + r"self_attn\.([qkvo])_proj\.weight_scale", r"layers.\1.self_attn.\2_proj.weight_scale", SCALE),
+    (
+        _L + r"block_sparse_moe\.(input|output)_linear\.weight_scale",
+        r"layers.\1.block_sparse_moe.\2_linear_scale",
+        SCALE,
+    ),
+    (_L + r"shared_mlp\.(input|output)_linear\.weight_scale", r"layers.\1.shared_mlp.\2_linear.weight_scale", SCALE),
 )
+SCALE_SUFFIX = "_scale"  # a float8 matrix at path P has its scales at P + SCALE_SUFFIX (model.Linear, model.MoE)
 
 
 def map_name(name: str) -> tuple[str, Transform] | None:
@@ -81,6 +99,41 @@ def load_config(model_dir: str | os.PathLike) -> ModelConfig:
     if not os.path.isdir(d):
         raise CheckpointError(f"{d}: model directory not found")
     return ModelConfig.from_json(os.path.join(d, "config.json"))
+
+
+FLOAT8_FORMAT = dict(quant_method="compressed-tensors", format="float-quantized")
+FLOAT8_WEIGHTS = dict(num_bits=8, type="float", strategy="channel", symmetric=True)
+
+
+def is_float8_checkpoint(model_dir: str | os.PathLike) -> bool:
+    """Whether config.json's `quantization_config` declares float8 weights in the format this importer reads (see the
+    module docstring); CheckpointError naming the field for any other quantization."""
+    path = os.path.join(os.fspath(model_dir), "config.json")
+    if not os.path.isfile(path):
+        return False
+    q = read_json_object(path, CheckpointError).get("quantization_config")
+    if q is None:
+        return False
+    where = f"{path}: quantization_config"
+    groups = q.get("config_groups") if isinstance(q, dict) else None
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{where}: expected compressed-tensors config_groups, got {q!r:.120}")
+    for key, want in FLOAT8_FORMAT.items():
+        if q.get(key) != want:
+            raise CheckpointError(f"{where}.{key}: expected {want!r} (float8 weights), got {q.get(key)!r}")
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        for key, want in FLOAT8_WEIGHTS.items():
+            got = weights.get(key) if isinstance(weights, dict) else None
+            if got != want:
+                raise CheckpointError(f"{where}.config_groups.{name}.weights.{key}: expected {want!r}, got {got!r}")
+        acts = group.get("input_activations")
+        if isinstance(acts, dict) and not acts.get("dynamic", False):
+            raise CheckpointError(
+                f"{where}.config_groups.{name}.input_activations: static activation scales are not supported "
+                "(expected dynamic: true)"
+            )
+    return True
 
 
 def headers_dtype(files: dict[str, tuple[str, ...] | None]) -> str | None:
@@ -151,20 +204,36 @@ def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str
                 if name not in present:
                     raise CheckpointError(f"{path}: no tensor {name!r}, though the index assigns it to this file")
                 try:
-                    tensor = f.get_tensor(name)
+                    stored = f.get_slice(name).get_dtype()
+                    tensor = _float8_tensor(path, name) if stored == FLOAT8_STORED else f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"{path}: tensor {name!r} cannot be read, file truncated? ({e})") from None
                 yield path, name, tensor
+
+
+def _float8_tensor(path: str, name: str) -> np.ndarray:
+    """A float8 (e4m3) tensor read from the file's bytes: the format is an 8-byte little-endian header length, a JSON
+    header giving each tensor's dtype, shape and byte range, then the data."""
+    with open(path, "rb") as f:
+        (length,) = np.frombuffer(f.read(8), "<u8")
+        entry = json.loads(f.read(int(length)))[name]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + int(length) + begin)
+        data = f.read(end - begin)
+    if len(data) != end - begin:
+        raise ValueError(f"{end - begin} bytes expected, {len(data)} read")
+    return np.frombuffer(data, np.dtype(jax.numpy.float8_e4m3fn)).reshape(entry["shape"])
 
 
 # ---------------------------------------------------------------------------------------------- import
 
 
 def read_weights(
-    files: dict[str, tuple[str, ...] | None], expected: dict[str, Any], param_dtype, progress: bool
+    files: dict[str, tuple[str, ...] | None], expected: dict[str, Any], progress: bool
 ) -> dict[str, jax.Array]:
-    """The model's parameters {NNX path: array in `param_dtype`} from the safetensors `files`, every tensor mapped by
-    `NAME_MAP` and checked against `expected` (the abstract model's {path: shape and dtype}) before it is placed."""
+    """The model's parameters {NNX path: array} from the safetensors `files`, every tensor mapped by `NAME_MAP`,
+    checked against `expected` (the abstract model's {path: shape and dtype}) and cast to its parameter's dtype, or
+    quantized to float8 with its scales where the parameter is float8 and the tensor is not."""
     values: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
@@ -184,20 +253,18 @@ def read_weights(
                 )
             if target in source:
                 raise CheckpointError(f"{path}: tensor {name!r} sets {target}, which {source[target]!r} already set")
-            if np.dtype(tensor.dtype).name not in WEIGHT_DTYPES:
+            if np.dtype(tensor.dtype).name not in SOURCE_DTYPES:
                 raise CheckpointError(
                     f"{path}: tensor {name!r} has dtype {np.dtype(tensor.dtype).name}, expected one of "
-                    f"{', '.join(WEIGHT_DTYPES)} (quantized checkpoints are not supported)"
+                    f"{', '.join(SOURCE_DTYPES)} (only float8 quantized checkpoints are read)"
                 )
             want = transform.source_shape(tuple(expected[target].shape))
             if tuple(tensor.shape) != want:
                 raise CheckpointError(
                     f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
                 )
-            # Transpose and cast on the host (numpy views and one copy), then one transfer per tensor.
-            with np.errstate(over="ignore"):  # values past the dtype's range become inf: load_model refuses them
-                host = np.ascontiguousarray(transform.apply(tensor).astype(np.dtype(param_dtype), copy=False))
-            values[target], source[target] = jax.device_put(host), name
+            for placed, value in _placed(path, name, target, transform.apply(tensor), expected).items():
+                values[placed], source[placed] = value, name
             bar.update()
     first = next(iter(files))
     missing = sorted(set(expected) - set(values))
@@ -220,6 +287,24 @@ def read_weights(
                 "set it to false to use the separate head"
             )
     return values
+
+
+def _placed(path: str, name: str, target: str, tensor: np.ndarray, expected: dict[str, Any]) -> dict[str, jax.Array]:
+    """{path: device array} a checkpoint tensor becomes: its parameter in that parameter's dtype, cast on the host
+    (numpy views and one copy) and then transferred; a wider matrix under a float8 parameter is transferred as it is
+    and quantized there (`model.quantize`), giving its scales too."""
+    want = np.dtype(expected[target].dtype)
+    stored_float8 = tensor.dtype == FLOAT8
+    if stored_float8 and want != FLOAT8 and not target.endswith(SCALE_SUFFIX):
+        raise CheckpointError(
+            f"{path}: tensor {name!r} is stored in float8; load this checkpoint with weight dtype float8 "
+            f"(arithmetic in bfloat16), not {want.name}"
+        )
+    if want == FLOAT8 and not stored_float8:
+        q, scale = quantize(jax.device_put(np.ascontiguousarray(tensor)), axis=1)
+        return {target: q, target + SCALE_SUFFIX: scale}
+    with np.errstate(over="ignore"):  # values past the dtype's range become inf: load_model refuses them
+        return {target: jax.device_put(np.ascontiguousarray(tensor.astype(want, copy=False)))}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

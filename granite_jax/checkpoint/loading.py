@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from granite_jax.checkpoint import hf, orbax
-from granite_jax.checkpoint.dtypes import AUTO, DTYPES, dtype_name, weight_dtype_name
+from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8, WEIGHT_DTYPES, dtype_name, weight_dtype_name
 from granite_jax.config import ModelConfig
 from granite_jax.errors import CheckpointError
 from granite_jax.model import Granite, abstract_model
@@ -31,19 +31,29 @@ def load_model(
 
     dtype: the activations' dtype, a name in `DTYPES` or its jnp dtype. weight_dtype: the weights' (None: dtype;
     "auto": bfloat16 for float32 arithmetic on a bfloat16 checkpoint where a kernel backend widens it in registers,
-    see `dtypes`). runtime: how the model runs (`ops.Runtime`). cfg: instead of the directory's config.json."""
+    see `dtypes`; "float8": the matrices quantized, see `model.FLOAT8`; a float8 checkpoint loads only as float8, which
+    None and "auto" mean for it). runtime: how the model runs (`ops.Runtime`). cfg: instead of the directory's
+    config.json."""
     runtime = runtime or Runtime()
     dtype = dtype_name("dtype", dtype)
     auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
+    float8 = _stores_float8(model_dir)
+    if float8 and weight_dtype is None:  # nothing else reads it: its weights stay as they are stored
+        weight_dtype = FLOAT8
     weights = weight_dtype_name(dtype, weight_dtype, stored_dtype(model_dir) if auto else None, runtime)
-    kinds = dict(dtype=DTYPES[dtype], param_dtype=DTYPES[weights])
+    if float8 and weights != FLOAT8:
+        raise CheckpointError(
+            f"{os.fspath(model_dir)}: the checkpoint stores float8 weights; load it with weight dtype float8 "
+            f"(or auto), not {weights}"
+        )
+    kinds = dict(dtype=DTYPES[dtype], param_dtype=WEIGHT_DTYPES[weights])
     if orbax.is_orbax_checkpoint(model_dir):
         model = orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg)
     else:
         cfg = cfg or hf.load_config(model_dir)
         files = hf.checkpoint_files(model_dir)
         graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
-        values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), kinds["param_dtype"], progress)
+        values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), progress)
         nnx.replace_by_pure_dict(state, hf.unflatten(values))
         model = nnx.merge(graphdef, state)
     check_finite(model, model_dir)
@@ -71,12 +81,20 @@ def _nonfinite_counts(leaves: list[jax.Array]) -> list[jax.Array]:
     return [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves]
 
 
+def _stores_float8(model_dir: str | os.PathLike) -> bool:
+    if orbax.is_orbax_checkpoint(model_dir):
+        return orbax.read_marker(model_dir).get("param_dtype") == FLOAT8
+    return hf.is_float8_checkpoint(model_dir)
+
+
 def stored_dtype(model_dir: str | os.PathLike) -> str | None:
     """The one dtype a checkpoint stores its weights in, read from the safetensors headers (or the orbax marker)
     without loading a tensor; None if they mix dtypes."""
     if orbax.is_orbax_checkpoint(model_dir):
         found = orbax.read_marker(model_dir).get("param_dtype")
         return found if isinstance(found, str) else None
+    if _stores_float8(model_dir):
+        return FLOAT8
     return hf.headers_dtype(hf.checkpoint_files(model_dir))
 
 

@@ -39,7 +39,7 @@ from flax import nnx
 from granite_jax.checkpoint.hf import load_config
 from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.errors import CheckpointError
-from granite_jax.model import Granite, abstract_model, count_params, weight_dtype
+from granite_jax.model import Granite, abstract_model, count_params, is_float8, weight_dtype, with_float8_weights
 from granite_jax.ops import Runtime
 
 MARKER = "granite_jax_checkpoint.json"
@@ -308,9 +308,12 @@ def restore_model(
 ) -> Granite:
     """Restore a `Granite` from an orbax checkpoint directory; parameters are read straight into `param_dtype`."""
     d = os.fspath(model_dir)
-    read_marker(d)
+    stored = read_marker(d).get("param_dtype")
     cfg = cfg or load_config(d)
     param_dtype = param_dtype or dtype
+    if is_float8(param_dtype) and stored != "float8":  # a wider checkpoint: restored as it is, then quantized
+        wide = jnp.bfloat16 if stored == "bfloat16" else jnp.float32
+        return with_float8_weights(restore_model(d, dtype=dtype, param_dtype=wide, runtime=runtime, cfg=cfg))
     graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime))
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))

@@ -24,7 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from granite_jax import ops
-from granite_jax.checkpoint import AUTO, NO_MODEL_MESSAGE, default_model_dir, dtype_name, load_model, load_tokenizer
+from granite_jax.checkpoint import (
+    AUTO,
+    NO_MODEL_MESSAGE,
+    WEIGHT_DTYPES,
+    default_model_dir,
+    dtype_name,
+    load_model,
+    load_tokenizer,
+)
 from granite_jax.errors import GenerationError, InputError
 from granite_jax.generation.layout import BatchLayout, plan
 from granite_jax.generation.prompts import PromptEncoder, Prompts
@@ -332,7 +340,7 @@ def _check_given_model(model: Granite, dtype: Any, weights: Any) -> None:
     """dtype and weight_dtype choose how a checkpoint is loaded; a model given as it is must not contradict them."""
     try:
         dtype = None if dtype is None else dtype_name("dtype", dtype)
-        weights = weights if weights in (AUTO, None) else dtype_name("weight_dtype", weights)
+        weights = weights if weights in (AUTO, None) else dtype_name("weight_dtype", weights, WEIGHT_DTYPES)
     except InputError as e:
         raise GenerationError(str(e)) from None
     computes, stored = jnp.dtype(model.dtype).name, weight_dtype_of(model)

@@ -23,6 +23,7 @@ XLA fuses some of these and adds copies of its own (two of an attention layer's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -65,6 +66,11 @@ def _nbytes(tree) -> int:
 
 def weight_bytes(cfg: ModelConfig, *, dtype: Any = jnp.bfloat16, weight_dtype: Any = jnp.bfloat16) -> int:
     """Bytes of the model's parameters as `granite_jax` holds them (shape-only: nothing is allocated)."""
+    return _weight_bytes(cfg, jnp.dtype(dtype), jnp.dtype(weight_dtype))
+
+
+@functools.cache  # an abstract h-tiny takes ~2.5 s to build, and `fit` predicts dozens of times
+def _weight_bytes(cfg: ModelConfig, dtype: jnp.dtype, weight_dtype: jnp.dtype) -> int:
     return _nbytes(nnx.state(abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype), nnx.Param))
 
 
