@@ -21,7 +21,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optional package)
-    **{name: f"benchmarks/{name}" for name in ("throughput.py", "rewrite_ssd.py", "gpu_ssd.py", "gpu_generate.py")},
+    **{
+        name: f"benchmarks/{name}"
+        for name in (
+            "throughput.py",
+            "rewrite_ssd.py",
+            "gpu_ssd.py",
+            "gpu_generate.py",
+            "memory_saving.py",
+            "float8_accuracy.py",
+            "first_token.py",
+        )
+    },
     "gpu_report.py": "benchmarks/gpu_report.py",
     "kernels.py": "granite_jax/cpu/benchmarks/kernels.py",
     "decode_attention.py": "granite_jax/cpu/benchmarks/decode_attention.py",
@@ -46,6 +57,9 @@ FLAGS = {
         "--shape --layers --steps --dtype --weight-dtype --ssd-impl --cache-len --gpu --no-per-layer --top --json "
         "--budget --record-budget"
     ),
+    "memory_saving.py": "--shape --capacity --sessions --contexts --dtype --json --png",
+    "float8_accuracy.py": "--model --prompts --prompt-len --new-tokens --json",
+    "first_token.py": "--model --prompt --max-new-tokens --runs --json",
 }
 
 # (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
@@ -88,6 +102,10 @@ BAD = [
     ("gpu_report.py", ["--layers", "0"], "argument --layers: must be >= 1, got 0"),
     ("gpu_report.py", ["--json", "{missing}"], "the directory does not exist"),
     ("gpu_report.py", ["--budget", "{dir}"], "not a kernel budget (IsADirectoryError"),
+    ("memory_saving.py", ["--sessions", "0"], "argument --sessions: every value must be >= 1"),
+    ("float8_accuracy.py", ["--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    ("float8_accuracy.py", ["--json", "{dir}"], "is a directory"),
+    ("first_token.py", ["--runs", "0"], "argument --runs: must be >= 1, got 0"),
 ]
 
 FIRST_BAD = {script: (args, message) for script, args, message in reversed(BAD)}  # each script's first case

@@ -366,11 +366,18 @@ def hf_name(path: str) -> tuple[str, Transform]:
 
 
 def hf_tensors(model: nnx.Module) -> dict[str, Any]:
-    """The model's parameters as float32 numpy arrays under their Hugging Face checkpoint names and layouts."""
+    """The model's parameters as float32 numpy arrays under their Hugging Face checkpoint names and layouts; float8
+    matrices dequantized (q times its channels' scales), which is what they mean to transformers' model."""
+    flat = flatten(nnx.to_pure_dict(nnx.state(model)))
     out = {}
-    for path, value in flatten(nnx.to_pure_dict(nnx.state(model))).items():
+    for path, value in flat.items():
+        if path.endswith(SCALE_SUFFIX):
+            continue
+        value = np.asarray(value, np.float32)
+        if path + SCALE_SUFFIX in flat:  # scales run along the output channels: all axes but 1, the input's
+            value = value * np.expand_dims(np.asarray(flat[path + SCALE_SUFFIX], np.float32), 1)
         name, transform = hf_name(path)
-        out[name] = np.array(_UNDO[id(transform)](np.asarray(value, np.float32)), order="C")  # a writable copy
+        out[name] = np.array(_UNDO[id(transform)](value), order="C")  # a writable copy
     return out
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from granite_jax import ops
-from granite_jax.checkpoint import DTYPES, dtype_name, load_model
+from granite_jax.checkpoint import DTYPES, WEIGHT_DTYPES, dtype_name, load_model
 from granite_jax.cli import load_config
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
 from granite_jax.errors import InputError
@@ -127,11 +127,14 @@ class ModelSpec:
                 raise ExperimentError("model.num_layers applies to random weights only; unset it or model.checkpoint")
             if not os.path.isdir(self.checkpoint):
                 raise ExperimentError(f"{self.checkpoint}: model directory not found")
+            weights = None if weight_dtype is None else weights  # None: as the checkpoint allows (float8 stays)
             return load_model(self.checkpoint, dtype=dtype, weight_dtype=weights, runtime=runtime, progress=progress)
         if not self.name:
             raise ExperimentError("no model: set a checkpoint directory or the name of an architecture")
         cfg = model_config(self.name, self.num_layers)
-        return random_model(cfg, dtype=DTYPES[dtype], param_dtype=DTYPES[weights], runtime=runtime, seed=self.seed)
+        return random_model(
+            cfg, dtype=DTYPES[dtype], param_dtype=WEIGHT_DTYPES[weights], runtime=runtime, seed=self.seed
+        )
 
 
 def check_dtypes(dtype: Any, weight_dtype: Any = None) -> tuple[str, str]:
@@ -139,7 +142,7 @@ def check_dtypes(dtype: Any, weight_dtype: Any = None) -> tuple[str, str]:
     one otherwise."""
     try:
         dtype = dtype_name("dtype", dtype)
-        return dtype, dtype if weight_dtype is None else dtype_name("weight_dtype", weight_dtype)
+        return dtype, dtype if weight_dtype is None else dtype_name("weight_dtype", weight_dtype, WEIGHT_DTYPES)
     except InputError as e:
         raise ExperimentError(str(e)) from None
 
