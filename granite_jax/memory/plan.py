@@ -13,10 +13,11 @@ plus the largest layer's working set, counted from the shapes of `granite_jax.mo
   (l, l) decay and score matrices per head and its chunk states (`granite_jax.ssd.ssd_chunked`);
 - attention: q, k, v, and a block of KV_BLOCK keys' float32 scores and probabilities (`attend_cache`'s online
   softmax), with its running output;
-- the feed-forward: the k routed copies of each token, their SwiGLU input and output, and the shared MLP's.
+- the feed-forward: the k routed copies of each token, their SwiGLU input and output, and the shared MLP's; on a
+  GPU, prefill's grouped expert product (`granite_jax.gpu`) and the expert matrices it gathers per block of rows;
 - on a CPU computing in a narrower dtype than float32, XLA:CPU widens every matrix's weights to float32 for its
   products and holds those copies at once: twice the narrow weights' bytes (GPUs multiply bfloat16 natively).
-XLA fuses some of these and adds copies of its own (two of an attention layer's updated K and V, counted);
+XLA fuses some of these and adds copies of its own (on CPUs, two of a narrow attention layer's K and V, counted);
 `tests/test_memory.py` holds the estimate to the compiled program's own memory analysis on small configs.
 """
 
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from granite_jax import gpu
 from granite_jax.config import ATTENTION, MAMBA, ModelConfig
 from granite_jax.model import KV_BLOCK, Cache, KVState, MambaState, abstract_model
 
@@ -100,16 +102,32 @@ def activation_bytes(
         q_heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         block = min(KV_BLOCK, context)
         qkv = n * a * (q_heads + 2 * kv_heads) * hd
-        kv_copies = 2 * 2 * rows * kv_heads * context * hd * a  # XLA keeps two copies of the layer's updated K and V
+        # XLA:CPU keeps two copies of the layer's updated K and V when they are narrower than float32 (it converts
+        # them for the products); XLA:GPU updates them in place
+        kv_copies = 2 * 2 * rows * kv_heads * context * hd * a if platform == "cpu" and a < f32 else 0
         layers[ATTENTION] = qkv + n * f32 * q_heads * (2 * block + hd) + kv_copies
-    ffn = n * a * 3 * cfg.shared_intermediate_size
-    if cfg.num_local_experts:
-        routed = n * cfg.num_experts_per_tok
-        ffn += routed * a * (2 * cfg.hidden_size + 3 * cfg.intermediate_size) + n * f32 * cfg.num_local_experts
+    ffn = n * a * 3 * cfg.shared_intermediate_size + _experts_bytes(cfg, n, a, platform)
     widened = 0
     if platform == "cpu" and a < f32:
         widened = 2 * weight_bytes(cfg, dtype=dtype, weight_dtype=dtype) - _embedding_bytes(cfg, a)
     return residual + max(max(layers.values()), ffn) + widened
+
+
+def _experts_bytes(cfg: ModelConfig, tokens: int, itemsize: int, platform: str) -> int:
+    """The routed experts' buffers for `tokens` tokens: each token's k copies, their SwiGLU input and output, the
+    router's logits; on a GPU from `gpu.GROUPED_ROWS` rows on, the grouped product's blocks of rows, the matrix it
+    gathers for each block and the blocks' outputs, for the larger of its two products."""
+    if not cfg.num_local_experts:
+        return 0
+    E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    rows = tokens * cfg.num_experts_per_tok
+    total = rows * itemsize * (2 * H + 3 * F) + tokens * 4 * E
+    if platform == "gpu" and rows >= gpu.GROUPED_ROWS:
+        block = gpu.block_rows(rows, E)
+        blocks = -(-rows // block) + E
+        grouped = [itemsize * blocks * (block * K + K * N + block * N) for K, N in ((H, 2 * F), (F, H))]
+        total += max(grouped)
+    return total
 
 
 def _embedding_bytes(cfg: ModelConfig, itemsize: int) -> int:
