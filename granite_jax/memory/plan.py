@@ -11,8 +11,8 @@ generator prefills every session's segment in one call): the residual stream and
 plus the largest layer's working set, counted from the shapes of `granite_jax.model`'s computation:
 - Mamba: the in_proj output, the conv output and the gated output in float32, and the chunked SSD's per-chunk
   (l, l) decay and score matrices per head and its chunk states (`granite_jax.ssd.ssd_chunked`);
-- attention: q, k, v, and a block of KV_BLOCK keys' float32 scores and probabilities (`attend_cache`'s online
-  softmax), with its running output;
+- attention: q, k, v, and a block of KV_BLOCK keys' float32 scores, their exponentials and probabilities
+  (`attend_cache`'s online softmax), with its running output;
 - the feed-forward: the k routed copies of each token, their SwiGLU input and output, and the shared MLP's; on a
   GPU, prefill's grouped expert product (`granite_jax.gpu`) and the expert matrices it gathers per block of rows;
 - on a CPU computing in a narrower dtype than float32, XLA:CPU widens every matrix's weights to float32 for its
@@ -105,7 +105,7 @@ def activation_bytes(
         # XLA:CPU keeps two copies of the layer's updated K and V when they are narrower than float32 (it converts
         # them for the products); XLA:GPU updates them in place
         kv_copies = 2 * 2 * rows * kv_heads * context * hd * a if platform == "cpu" and a < f32 else 0
-        layers[ATTENTION] = qkv + n * f32 * q_heads * (2 * block + hd) + kv_copies
+        layers[ATTENTION] = qkv + n * f32 * q_heads * (3 * block + hd) + kv_copies  # scores, their exp, probabilities
     ffn = n * a * 3 * cfg.shared_intermediate_size + _experts_bytes(cfg, n, a, platform)
     widened = 0
     if platform == "cpu" and a < f32:
