@@ -157,6 +157,11 @@ def summary(cfg: Any, options: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def percent(x: float) -> str:
+    """x as a whole percentage, without the "-0%" a small negative rounds to."""
+    return f"{round(x, 2) + 0.0:.0%}"
+
+
 def tokens(n: int) -> str:
     """4096 -> 4K, 1048576 -> 1M (powers of two as the contexts are usually named)."""
     for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
@@ -178,9 +183,9 @@ def print_table(rows: list[dict], fits: list[dict], names: dict[str, str], capac
         fit_marks = "/".join("yes" if r[k] else "no" for k in ("hybrid_fits", "attention_only_fits"))
         print(
             f"| {tokens(r['context'])} | {r['sessions']} | {gb(r['hybrid']['total'])} | "
-            f"{gb(r['attention_only']['total'])} | {r['saving_total']:.0%} | "
+            f"{gb(r['attention_only']['total'])} | {percent(r['saving_total'])} | "
             f"{gb(r['hybrid']['kv_cache'] + r['hybrid']['mamba_state'])} | {gb(r['attention_only']['kv_cache'])} | "
-            f"{r['saving_kv_and_state']:.0%} | {fit_marks} |"
+            f"{percent(r['saving_kv_and_state'])} | {fit_marks} |"
         )
     print(f"\nLargest context that fits {gb(capacity)} GB (predicted)\n")
     print(f"| sessions | {h} | {a} | ratio |\n|---:|---:|---:|---:|")

@@ -29,10 +29,12 @@ def _is_array(x: Any) -> bool:
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
+    """x's type with everything the trace may depend on: shape, dtype, weak type, sharding (under a mesh, ops pick
+    their output shardings and collectives from their operands'), varying manual axes."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    t = jax.typeof(x)
-    return jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=t.weak_type)
+    like = jax.ShapeDtypeStruct.like(x)
+    return jax.ShapeDtypeStruct(like.shape, like.dtype, weak_type=jax.typeof(x).weak_type, sharding=like.sharding)
 
 
 def _name(fn: Callable) -> str:
@@ -139,6 +141,7 @@ class Rewritten:
         self.last_report: Report | None = None
         self._jitted: dict[tuple, Callable] = {}
         self._verified = False
+        self._layouts: dict[tuple, tuple] = {}  # a jitted fn's output shardings, by signature and argument shardings
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn, updated=())
 
@@ -150,16 +153,39 @@ class Rewritten:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         sig, values = _Signature.of(args, kwargs)
+        layout = self._original_layout(sig, values, args, kwargs)
         if self.options.verify and not self._verified:
             with self._lock:
                 if not self._verified:
                     self._verify(sig, values)  # raises on a mismatch, so a failed check is repeated, never skipped
                     self._verified = True
+        key = (sig.key(), layout)
         with self._lock:
-            jitted = self._jitted.get(sig.key())
+            jitted = self._jitted.get(key)
             if jitted is None:
-                jitted = self._jitted[sig.key()] = jax.jit(functools.partial(self._run, sig))
+                out = {} if layout is None else {"out_shardings": jax.tree.unflatten(layout[0], layout[1])}
+                jitted = self._jitted[key] = jax.jit(functools.partial(self._run, sig), **out)
         return jitted(*values)
+
+    def _original_layout(self, sig: _Signature, values: list, args: tuple, kwargs: dict) -> tuple | None:
+        """For a jitted `fn` called with concrete arrays: (output treedef, output shardings, None where unspecified),
+        after raising what `fn` raises for these arguments. The rewritten program runs `fn`'s jaxpr inside a jit of
+        its own, where a nested jit's checks of concrete arguments (in_shardings against committed arrays') and its
+        out_shardings do not apply; so `fn` is lowered once per signature and argument shardings, for its errors and
+        its output shardings. None for anything else."""
+        if not hasattr(self.fn, "lower") or any(isinstance(x, jax.core.Tracer) for x in values):
+            return None
+        key = (sig.key(), tuple(getattr(x, "sharding", None) for x in values))
+        with self._lock:
+            if key in self._layouts:
+                return self._layouts[key]
+        shardings, treedef = jax.tree.flatten(
+            jax.tree.map(lambda o: o.sharding, self.fn.lower(*args, **kwargs).out_info), is_leaf=lambda x: x is None
+        )
+        layout = (treedef, tuple(shardings))
+        with self._lock:
+            self._layouts[key] = layout
+        return layout
 
     def _run(self, sig: _Signature, *values: Any) -> Any:
         closed, out_tree = _trace(self.fn, sig, list(values))
@@ -178,15 +204,14 @@ class Rewritten:
             warnings.warn(msg, stacklevel=3)
             return
         plan, sites = _plan(closed, self.options)
-        rewritten = [s for s in sites if s.status == REWRITTEN]
-        if not rewritten:
-            return
+        rewritten = [s for s in sites if s.status == REWRITTEN]  # none: the re-traced program is compared all the same
         with jax.ensure_compile_time_eval():
             inputs = _concrete_inputs(values)
             reference = jax.jit(jaxpr_as_fun(closed))(*inputs)
             precision = dot_precision(self.options.precision)
             run = lambda enabled: _evaluate(closed, plan, inputs, Context(precision, enabled))
-            error = _mismatch(reference, run(lambda site_id: True), self.options)
+            result = run(lambda site_id: True)
+            error = _sharding_mismatch(reference, result) or _mismatch(reference, result, self.options)
             if error is None:
                 return
             culprits = []
@@ -195,7 +220,8 @@ class Rewritten:
                 if site_error is not None:
                     culprits.append((site, site_error))
         if not culprits:
-            raise VerificationError(f"rewrite({_name(self.fn)}): output {error}, with all sites rewritten together")
+            together = "with all sites rewritten together" if rewritten else "with no site rewritten"
+            raise VerificationError(f"rewrite({_name(self.fn)}): output {error}, {together}")
         lines = [f"site #{s.id} {s.spec} at {s.path + ': ' if s.path else ''}{s.source}: {e}" for s, e in culprits]
         raise VerificationError(f"rewrite({_name(self.fn)}) changed the result at:\n  " + "\n  ".join(lines))
 
@@ -217,9 +243,14 @@ def _concrete_inputs(values: list) -> list:
             continue
         dtype = np.dtype(x.dtype)
         if np.issubdtype(dtype, np.inexact):
-            out.append(jax.numpy.asarray(rng.standard_normal(x.shape), dtype))
+            stand_in = jax.numpy.asarray(rng.standard_normal(x.shape), dtype)
         else:
-            out.append(jax.numpy.zeros(x.shape, dtype))
+            stand_in = jax.numpy.zeros(x.shape, dtype)
+        sharding = getattr(x, "sharding", None)
+        concrete = isinstance(sharding, jax.sharding.Sharding) and not isinstance(
+            getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+        )
+        out.append(jax.device_put(stand_in, sharding) if concrete else stand_in)  # laid out as the call's would be
     return out
 
 
@@ -230,6 +261,15 @@ def _stand_in_keys(x: Any) -> jax.Array:
         if key.dtype == x.dtype:
             return jax.random.split(key, math.prod(x.shape)).reshape(x.shape)
     raise TypeError(f"verify: no stand-in for PRNG keys of dtype {x.dtype}")
+
+
+def _sharding_mismatch(reference: list, result: list) -> str | None:
+    """A description of the first output leaf laid out differently over the devices, or None."""
+    for k, (a, b) in enumerate(zip(jax.tree.leaves(reference), jax.tree.leaves(result))):
+        arrays = isinstance(a, jax.Array) and isinstance(b, jax.Array)
+        if arrays and not a.sharding.is_equivalent_to(b.sharding, a.ndim):
+            return f"{k} is sharded as {b.sharding}, the original as {a.sharding}"
+    return None
 
 
 def _mismatch(reference: list, result: list, options: Options) -> str | None:

@@ -59,9 +59,19 @@ def contract(c: Contraction, plan: Plan, read: Callable[[Any], Any], out_aval: A
     positions = tuple(i for i, label in enumerate(c.out) if label in kept)
     if y.shape != tuple(out_aval.shape):
         y = lax.broadcast_in_dim(y, tuple(out_aval.shape), positions)
+    y = _laid_out_as(y, out_aval)
     if getattr(out_aval, "weak_type", False) and _convert_weak is not None:
         return _convert_weak(y, out_aval.dtype, weak_type=True)
     return y.astype(out_aval.dtype)
+
+
+def _laid_out_as(y: jax.Array, out_aval: Any) -> jax.Array:
+    """y resharded to the original sum's sharding where the types carry shardings (Explicit axes) and they differ:
+    the equations after the site were traced for that type."""
+    want = getattr(out_aval, "sharding", None)
+    if _mesh_spec(y) is None or want is None or jax.typeof(y).sharding.spec == want.spec:
+        return y
+    return jax.sharding.reshard(y, want.spec)
 
 
 Labelled = tuple[jax.Array, tuple[Label, ...]]
@@ -105,9 +115,40 @@ def product(lhs: Labelled, rhs: Labelled, rest: set[Label], precision: Any, acc:
         (tuple(la.index(label) for label in contracted), tuple(lb.index(label) for label in contracted)),
         (tuple(la.index(label) for label in batch), tuple(lb.index(label) for label in batch)),
     )
-    y = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
     free = lambda mine, other: tuple(label for label in mine if label not in other)
-    return y, batch + free(la, lb) + free(lb, la)
+    labels = batch + free(la, lb) + free(lb, la)
+    sharding = explicit_out_sharding((a, la), (b, lb), contracted, labels)
+    y = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc, out_sharding=sharding)
+    return y, labels
+
+
+def _mesh_spec(x: jax.Array) -> tuple[Any, tuple] | None:
+    """(mesh, spec) of x's type when it is sharded over Explicit mesh axes (sharding in types), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    return mesh, tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+
+
+def explicit_out_sharding(lhs: Labelled, rhs: Labelled, contracted: tuple, labels: tuple) -> Any:
+    """Under Explicit axes, a product whose contracted labels both operands shard is ambiguous to JAX: its output
+    keeps each label's mesh axes from the operand that has the label (the first for batch labels), each mesh axis
+    once. None otherwise (JAX infers it)."""
+    found = [_mesh_spec(x) for x, _ in (lhs, rhs)]
+    if None in found:
+        return None
+    specs = [dict(zip(names, spec)) for (_, names), (_, spec) in zip((lhs, rhs), found)]
+    if not any(specs[0].get(label) and specs[1].get(label) for label in contracted):
+        return None
+    used, out = set(), []
+    for label in labels:
+        entry = specs[0].get(label) if label in specs[0] else specs[1].get(label)
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        axes = tuple(axis for axis in axes if axis not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.NamedSharding(found[0][0], jax.sharding.PartitionSpec(*out))
 
 
 def expand(x: jax.Array, labels: tuple[Label, ...], target: tuple[Label, ...], shape: tuple[int, ...]) -> jax.Array:
