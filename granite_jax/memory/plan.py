@@ -16,7 +16,8 @@ plus the largest layer's working set, counted from the shapes of `granite_jax.mo
 - the feed-forward: the k routed copies of each token, their SwiGLU input and output, and the shared MLP's; on a
   GPU, prefill's grouped expert product (`granite_jax.gpu`) and the expert matrices it gathers per block of rows;
 - on a CPU computing in a narrower dtype than float32, XLA:CPU widens every matrix's weights to float32 for its
-  products and holds those copies at once: twice the narrow weights' bytes (GPUs multiply bfloat16 natively).
+  products and holds those copies at once: twice the narrow weights' bytes (GPUs multiply bfloat16 natively); and its
+  decode loop, which follows the prefill, holds two float32 copies of the embedding table beside them.
 XLA fuses some of these and adds copies of its own (on CPUs, two of a narrow attention layer's K and V, counted);
 `tests/test_memory.py` holds the estimate to the compiled program's own memory analysis on small configs.
 """
@@ -107,10 +108,13 @@ def activation_bytes(
         kv_copies = 2 * 2 * rows * kv_heads * context * hd * a if platform == "cpu" and a < f32 else 0
         layers[ATTENTION] = qkv + n * f32 * q_heads * (3 * block + hd) + kv_copies  # scores, their exp, probabilities
     ffn = n * a * 3 * cfg.shared_intermediate_size + _experts_bytes(cfg, n, a, platform)
-    widened = 0
-    if platform == "cpu" and a < f32:
-        widened = 2 * weight_bytes(cfg, dtype=dtype, weight_dtype=dtype) - _embedding_bytes(cfg, a)
-    return residual + max(max(layers.values()), ffn) + widened
+    prefill = residual + max(max(layers.values()), ffn)
+    if platform != "cpu" or a >= f32:
+        return prefill
+    widened = 2 * weight_bytes(cfg, dtype=dtype, weight_dtype=dtype) - _embedding_bytes(cfg, a)
+    # The decode loop (`Steps.decode_chunk`) widens the embedding table for its lookups too, hoisting that out of the
+    # loop: two more float32 tables (h-350m's: 0.62 GB) beside the widened matrices, against a prefill's buffers.
+    return widened + max(prefill, 2 * cfg.vocab_size * cfg.hidden_size * f32)
 
 
 def _experts_bytes(cfg: ModelConfig, tokens: int, itemsize: int, platform: str) -> int:
