@@ -92,6 +92,33 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
+MESH_DEVICES = 8  # simulated CPU devices the tests under a mesh run on
+
+
+def run_under_mesh_devices(test_file: str) -> None:
+    """Run the tests of `test_file` but its `test_under_mesh_devices` (the one calling this) in a fresh interpreter
+    with MESH_DEVICES CPU devices, failing with its output. JAX fixes the CPU device count when its backend starts,
+    and eight devices slow every other test by a quarter, so the suite's own processes keep one."""
+    import subprocess
+
+    if jax.device_count() >= MESH_DEVICES:
+        pytest.skip("this is the interpreter with the mesh devices")
+    flag = f"--xla_force_host_platform_device_count={MESH_DEVICES}"
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}", JAX_PLATFORMS="cpu")
+    options = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "not test_under_mesh_devices"]
+    run = subprocess.run([sys.executable, "-m", "pytest", *options, test_file], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " skipped" not in run.stdout.splitlines()[-1], run.stdout[-3000:]  # every case ran there
+
+
+@pytest.fixture
+def mesh_devices():
+    """The CPU devices of a mesh test; skips in an interpreter with fewer (see `run_under_mesh_devices`)."""
+    if jax.device_count() < MESH_DEVICES:
+        pytest.skip("runs in a fresh interpreter with the mesh devices (run_under_mesh_devices)")
+    return jax.devices()[:MESH_DEVICES]
+
+
 @pytest.fixture
 def h200_target():
     """A compile-only H200 (`pallas_kernels.aot`) for the `aot` tests; skips where deviceless CUDA compilation is

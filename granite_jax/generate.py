@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from granite_jax import cli
+from granite_jax import cli, sharding
 from granite_jax.checkpoint import AUTO, DTYPES, FLOAT8, NO_MODEL_MESSAGE, WEIGHT_DTYPES, default_model_dir
 from granite_jax.errors import GenerationError, InputError
 from granite_jax.generation import Generator, SamplingConfig, Timing
@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the bfloat16 values: for a bfloat16 checkpoint (the released ones are) the float32 results at half the "
         "weight memory, and faster batch-1 decoding on CPUs. auto: bfloat16 when --dtype is float32, the "
         "checkpoint stores bfloat16 and the CPU kernels run, else --dtype (auto)",
+    )
+    r.add_argument(
+        "--mesh",
+        metavar="AXIS=N,...",
+        help="run over a device mesh, e.g. data=2,model=4 (axes: data for the batch, model for heads and columns, "
+        "expert for the routed experts; their sizes multiply to the device count). The weights load straight into "
+        "their shards; the prompts must be a multiple of the data axis; platform kernels are off (docs/sharding.md)",
     )
     r.add_argument(
         "--ssd-impl",
@@ -268,8 +275,10 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.model is not None and not os.path.isdir(args.model):
         raise GenerationError(f"{args.model}: model directory not found")
     prompts = _collect_prompts(args)
+    mesh = None if args.mesh is None else sharding.parse_mesh(args.mesh)
     generator = Generator(
         args.model,
+        mesh=mesh,
         dtype=args.dtype,
         weight_dtype=args.weight_dtype,
         runtime=Runtime(ssd=args.ssd_impl, pack_weights=args.pack_weights),

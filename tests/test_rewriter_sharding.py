@@ -2,15 +2,10 @@
 it traces, gives the original's values and output shardings under `jax.jit`, raises where the original raises, and
 `verify=True` compares the outputs (their shardings too) even when no site was rewritten.
 
-JAX fixes the CPU device count when its backend starts, and eight devices slow the rest of the suite by a quarter, so
-these tests run in a fresh interpreter started with XLA_FLAGS=--xla_force_host_platform_device_count=8
-(`test_under_eight_devices`); in the suite's own processes they are skipped."""
+They run in a fresh interpreter with the eight devices (`conftest.run_under_mesh_devices`); in the suite's own
+processes they are skipped."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,28 +15,19 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import rewriter
+from conftest import run_under_mesh_devices
 from rewriter import api
 
 REWRITE = dict(min_flops=0, min_dim=1)
-DEVICES = "--xla_force_host_platform_device_count=8"
 
 
-def test_under_eight_devices():
-    if jax.device_count() >= 8:
-        pytest.skip("this is the interpreter with eight devices")
-    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {DEVICES}", JAX_PLATFORMS="cpu")
-    options = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "not eight"]
-    command = [sys.executable, "-m", "pytest", *options, __file__]
-    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " skipped" not in run.stdout.splitlines()[-1], run.stdout[-3000:]  # every case ran there
+def test_under_mesh_devices():
+    run_under_mesh_devices(__file__)
 
 
 @pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def mesh(request):
-    if jax.device_count() < 8:
-        pytest.skip("runs with eight devices, in test_under_eight_devices")
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(request.param,) * 2)
+def mesh(request, mesh_devices):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(request.param,) * 2, devices=mesh_devices)
 
 
 def placed(mesh, spec, shape, dtype=jnp.float32, seed=0):

@@ -229,11 +229,15 @@ def _float8_tensor(path: str, name: str) -> np.ndarray:
 
 
 def read_weights(
-    files: dict[str, tuple[str, ...] | None], expected: dict[str, Any], progress: bool
+    files: dict[str, tuple[str, ...] | None],
+    expected: dict[str, Any],
+    progress: bool,
+    placement: dict[str, jax.sharding.Sharding] | None = None,
 ) -> dict[str, jax.Array]:
     """The model's parameters {NNX path: array} from the safetensors `files`, every tensor mapped by `NAME_MAP`,
     checked against `expected` (the abstract model's {path: shape and dtype}) and cast to its parameter's dtype, or
-    quantized to float8 with its scales where the parameter is float8 and the tensor is not."""
+    quantized to float8 with its scales where the parameter is float8 and the tensor is not. `placement`: each
+    parameter's sharding (None: the default device), each tensor placed straight into its shards."""
     values: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
@@ -263,7 +267,8 @@ def read_weights(
                 raise CheckpointError(
                     f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
                 )
-            for placed, value in _placed(path, name, target, transform.apply(tensor), expected).items():
+            where = None if placement is None else placement[target]
+            for placed, value in _placed(path, name, target, transform.apply(tensor), expected, where).items():
                 values[placed], source[placed] = value, name
             bar.update()
     first = next(iter(files))
@@ -289,7 +294,9 @@ def read_weights(
     return values
 
 
-def _placed(path: str, name: str, target: str, tensor: np.ndarray, expected: dict[str, Any]) -> dict[str, jax.Array]:
+def _placed(
+    path: str, name: str, target: str, tensor: np.ndarray, expected: dict[str, Any], where: Any = None
+) -> dict[str, jax.Array]:
     """{path: device array} a checkpoint tensor becomes: its parameter in that parameter's dtype, cast on the host
     (numpy views and one copy) and then transferred; a wider matrix under a float8 parameter is transferred as it is
     and quantized there (`model.quantize`), giving its scales too."""
@@ -301,10 +308,10 @@ def _placed(path: str, name: str, target: str, tensor: np.ndarray, expected: dic
             f"(arithmetic in bfloat16), not {want.name}"
         )
     if want == FLOAT8 and not stored_float8:
-        q, scale = quantize(jax.device_put(np.ascontiguousarray(tensor)), axis=1)
+        q, scale = quantize(jax.device_put(np.ascontiguousarray(tensor), where), axis=1)
         return {target: q, target + SCALE_SUFFIX: scale}
     with np.errstate(over="ignore"):  # values past the dtype's range become inf: load_model refuses them
-        return {target: jax.device_put(np.ascontiguousarray(tensor.astype(want, copy=False)))}
+        return {target: jax.device_put(np.ascontiguousarray(tensor.astype(want, copy=False)), where)}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:

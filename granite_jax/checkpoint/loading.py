@@ -9,7 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
+from granite_jax import sharding
 from granite_jax.checkpoint import hf, orbax
 from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8, WEIGHT_DTYPES, dtype_name, weight_dtype_name
 from granite_jax.config import ModelConfig
@@ -26,6 +28,7 @@ def load_model(
     runtime: Runtime | None = None,
     cfg: ModelConfig | None = None,
     progress: bool = False,
+    mesh: Mesh | None = None,
 ) -> Granite:
     """Load a Hugging Face GraniteMoeHybrid checkpoint directory (safetensors), or a granite-jax orbax one.
 
@@ -33,7 +36,8 @@ def load_model(
     "auto": bfloat16 for float32 arithmetic on a bfloat16 checkpoint where a kernel backend widens it in registers,
     see `dtypes`; "float8": the matrices quantized, see `model.FLOAT8`; a float8 checkpoint loads only as float8, which
     None and "auto" mean for it). runtime: how the model runs (`ops.Runtime`). cfg: instead of the directory's
-    config.json."""
+    config.json. mesh: place every parameter in its shards over this `jax.sharding.Mesh` (`granite_jax.sharding`) as
+    it is read, one tensor at a time: the whole model is never on one device, nor twice in host memory."""
     runtime = runtime or Runtime()
     dtype = dtype_name("dtype", dtype)
     auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
@@ -47,13 +51,17 @@ def load_model(
             f"(or auto), not {weights}"
         )
     kinds = dict(dtype=DTYPES[dtype], param_dtype=WEIGHT_DTYPES[weights])
+    if mesh is not None:
+        sharding.check_mesh(cfg or hf.load_config(model_dir), mesh)
     if orbax.is_orbax_checkpoint(model_dir):
-        model = orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg)
+        model = orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg, mesh=mesh)
     else:
         cfg = cfg or hf.load_config(model_dir)
         files = hf.checkpoint_files(model_dir)
         graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
-        values = hf.read_weights(files, hf.flatten(nnx.to_pure_dict(state)), progress)
+        expected = hf.flatten(nnx.to_pure_dict(state))
+        placement = None if mesh is None else sharding.parameter_shardings(expected, mesh)
+        values = hf.read_weights(files, expected, progress, placement)
         nnx.replace_by_pure_dict(state, hf.unflatten(values))
         model = nnx.merge(graphdef, state)
     check_finite(model, model_dir)

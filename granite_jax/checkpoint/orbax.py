@@ -36,11 +36,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from granite_jax.checkpoint.hf import load_config
+from granite_jax.checkpoint.hf import flatten, load_config, unflatten
 from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.errors import CheckpointError
 from granite_jax.model import Granite, abstract_model, count_params, is_float8, weight_dtype, with_float8_weights
 from granite_jax.ops import Runtime
+from granite_jax.sharding import parameter_shardings, shard_model
 
 MARKER = "granite_jax_checkpoint.json"
 PARTIAL_OWNER = ".granite_jax_partial.json"  # in a partial save only: the pid and host of the process writing it
@@ -305,18 +306,23 @@ def restore_model(
     param_dtype=None,
     runtime: Runtime | None = None,
     cfg: ModelConfig | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> Granite:
-    """Restore a `Granite` from an orbax checkpoint directory; parameters are read straight into `param_dtype`."""
+    """Restore a `Granite` from an orbax checkpoint directory; parameters are read straight into `param_dtype`, and
+    over `mesh` straight into their shards (`granite_jax.sharding`)."""
     d = os.fspath(model_dir)
     stored = read_marker(d).get("param_dtype")
     cfg = cfg or load_config(d)
     param_dtype = param_dtype or dtype
     if is_float8(param_dtype) and stored != "float8":  # a wider checkpoint: restored as it is, then quantized
         wide = jnp.bfloat16 if stored == "bfloat16" else jnp.float32
-        return with_float8_weights(restore_model(d, dtype=dtype, param_dtype=wide, runtime=runtime, cfg=cfg))
+        wide_model = restore_model(d, dtype=dtype, param_dtype=wide, runtime=runtime, cfg=cfg, mesh=mesh)
+        return with_float8_weights(wide_model) if mesh is None else shard_model(with_float8_weights(wide_model), mesh)
     graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime))
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), nnx.to_pure_dict(state))
+    flat = flatten(nnx.to_pure_dict(state))
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placement = {k: single for k in flat} if mesh is None else parameter_shardings(flat, mesh)
+    target = unflatten({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement[k]) for k, x in flat.items()})
     try:
         with _quiet_orbax(), _abandoned_reads_ignored(), _checkpointer() as ck:
             restored = ck.restore(os.path.join(d, STATE_DIR), target)

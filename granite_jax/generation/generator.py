@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from granite_jax import ops
+from granite_jax import ops, sharding
 from granite_jax.checkpoint import (
     AUTO,
     NO_MODEL_MESSAGE,
@@ -113,6 +114,9 @@ class Generator:
     min_cache_len: KV slots of the smallest cache bucket. max_cache_len: if set, every request uses exactly this many
     KV slots (one decode compilation per batch size) and longer requests are rejected.
     decode_chunk: decode steps per call (1: one call per token). progress: a progress bar while the weights load.
+    mesh: a `jax.sharding.Mesh` to run over (`granite_jax.sharding`): the weights are placed in their shards (loaded
+    straight into them), the caches too, and batches must be a multiple of its "data" axis. Platform kernels are off
+    over a mesh (XLA cannot partition them), and the Pallas SSD is refused.
     The weights are taken once: a Generator over a model whose weights change afterwards keeps the old ones.
     """
 
@@ -130,19 +134,28 @@ class Generator:
         progress: bool = False,
         model: Granite | None = None,
         tokenizer: Any = None,
+        mesh: Mesh | None = None,
     ):
         _check_options(runtime, prefill_chunk, min_cache_len, max_cache_len, decode_chunk)
+        runtime = _runtime_over(mesh, runtime, model)
         if model is None:
             model_dir = model_dir if model_dir is not None else default_model_dir()
             if model_dir is None:
                 raise GenerationError(NO_MODEL_MESSAGE)
             model = load_model(
-                model_dir, dtype=dtype or "float32", weight_dtype=weight_dtype, runtime=runtime, progress=progress
+                model_dir,
+                dtype=dtype or "float32",
+                weight_dtype=weight_dtype,
+                runtime=runtime,
+                progress=progress,
+                mesh=mesh,
             )
         else:
             _check_given_model(model, dtype, weight_dtype)
             if runtime is not None and runtime != model.runtime:
                 model = with_runtime(model, runtime)
+            if mesh is not None:
+                model = sharding.shard_model(model, mesh)
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         if tokenizer is None and model_dir is not None:
             tokenizer = load_tokenizer(model_dir)
@@ -152,7 +165,8 @@ class Generator:
             int, (prefill_chunk, min_cache_len, decode_chunk)
         )
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
-        self.steps = Steps(model)
+        self.mesh = mesh
+        self.steps = Steps(model, mesh)
         self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> shapes compiled
         self._compiled: set[tuple] = set()
         self._prepared: dict[int, ops.Prepared] = {}  # by batch size
@@ -211,6 +225,12 @@ class Generator:
         larger than the memory free on the device, before it is allocated."""
         limits = dict(prefill_chunk=self.prefill_chunk, min_cache_len=self.min_cache_len)
         layout = plan(lengths, max_new_tokens, self.cfg, **limits, max_cache_len=self.max_cache_len)
+        rows = 0 if self.mesh is None else self.mesh.shape.get("data", 1)
+        if rows and layout.batch_size % rows:
+            raise GenerationError(
+                f"{layout.batch_size} prompt(s) over a mesh whose 'data' axis has {rows} devices: give a multiple of "
+                f"{rows} prompts"
+            )
         cache = self.steps.abstract_cache(layout.batch_size, layout.cache_len)
         need, free = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)), free_memory()
         if free is not None and need > free:
@@ -334,6 +354,17 @@ def _check_options(runtime, prefill_chunk, min_cache_len, max_cache_len, decode_
             raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
     if max_cache_len is not None and not is_size(max_cache_len):
         raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
+
+
+def _runtime_over(mesh: Mesh | None, runtime: Runtime | None, model: Granite | None) -> Runtime | None:
+    """The runtime to run over `mesh`: without platform kernels, which XLA's partitioner cannot split (custom calls
+    would be gathered whole onto each device); the Pallas SSD refused for the same reason."""
+    if mesh is None:
+        return runtime
+    runtime = runtime or (model.runtime if model is not None else Runtime())
+    if runtime.ssd == "pallas":
+        raise GenerationError("the Pallas SSD does not run over a mesh: use ssd 'xla' (--ssd-impl xla)")
+    return runtime.replace(kernels=False)
 
 
 def _check_given_model(model: Granite, dtype: Any, weights: Any) -> None:

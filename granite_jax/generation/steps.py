@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import Mesh
 
-from granite_jax import ops
+from granite_jax import ops, sharding
 from granite_jax.config import ModelConfig
 from granite_jax.model import Cache, Granite, abstract_model
 from granite_jax.ops import Runtime
@@ -93,8 +94,8 @@ class Steps:
     """The jitted steps of one model. Call them with (prepared, cache, ...): the weights are bound, the cache donated.
     `abstract(...)` gives shape-only arguments for `lower(...)` (compiling ahead of time fills jit's own cache)."""
 
-    def __init__(self, model: Granite):
-        self.model, self.cfg = model, model.cfg
+    def __init__(self, model: Granite, mesh: Mesh | None = None):
+        self.model, self.cfg, self.mesh = model, model.cfg, mesh
         graphdef, state = nnx.split(model)
         self.weights, treedef = jax.tree.flatten(state)
         donate = dict(donate_argnums=(2,))  # (weights, prepared, cache, ...)
@@ -105,7 +106,13 @@ class Steps:
                 functools.partial(decode_steps, graphdef, treedef), static_argnames=("chunk",), **donate
             ),
         }
-        self._cache = jax.jit(Cache.init, static_argnums=(0, 1, 2, 3))
+        # Over a mesh the weights arrive placed (`sharding.shard_model`), the cache is made in its shards, and XLA
+        # partitions each step from them.
+        layout = {}
+        if mesh is not None:
+            abstract = jax.eval_shape(lambda: Cache.init(model.cfg, 1, 1, model.dtype))
+            layout = dict(out_shardings=sharding.cache_shardings(abstract, mesh))
+        self._cache = jax.jit(Cache.init, static_argnums=(0, 1, 2, 3), **layout)
 
     def prefill(self, prepared, cache: Cache, tokens, params: SamplerParams, step):
         return self.jitted["prefill"](self.weights, prepared, cache, tokens, params, step)
