@@ -135,7 +135,7 @@ def test_fit_prints_and_writes_the_largest(capsys, tmp_path):
 def test_float8_weights_half_of_bfloat16(capsys):
     sizes = {}
     for dtype in ("bfloat16", "float8"):
-        code, out, _ = run(capsys, "--config", "h-micro", "--dtype", dtype, "--json", "-")
+        code, out, _ = run(capsys, "--config", "tiny", "--dtype", dtype, "--json", "-")
         assert code == 0
         sizes[dtype] = json.loads(out)["predicted"][0]["weights"]
     assert 0.45 <= sizes["float8"] / sizes["bfloat16"] <= 0.6
