@@ -21,7 +21,7 @@ if jax.__version__.startswith("0.10.") and "xla_cpu_use_fusion_emitters" not in 
     # XLA:CPU's older loop emitters compile ~40% faster; the flag is known to this jaxlib (an unknown one is fatal).
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_use_fusion_emitters=false".strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".pytest_cache", "xla"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # every program: cheap ones recur most
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 jax.config.update("jax_default_matmul_precision", "highest")
