@@ -92,6 +92,17 @@ def hf_checkpoint(tmp_path_factory):
     return make
 
 
+def pytest_collection_modifyitems(items: list) -> None:
+    """The `slow(seconds)` tests first, longest first: pytest-xdist hands tests out in order, and one started last
+    keeps its worker busy alone while the other has finished."""
+
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return mark.args[0] if mark is not None and mark.args else 0.0
+
+    items.sort(key=lambda item: -seconds(item))
+
+
 MESH_DEVICES = 8  # simulated CPU devices the tests under a mesh run on
 
 

@@ -35,6 +35,7 @@ def run(capsys, *args: str, script: str = SCRIPT) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow(10)
 def test_smoke_run_checks_times_and_writes_speedups(tmp_path, capsys):
     out = tmp_path / "results" / "gpu.json"
     args = ("--smoke", "--no-layer", "--decode-batches", "1", "--min-seconds", "0.01", "--out", str(out))
@@ -83,6 +84,7 @@ def test_unwritable_out_is_refused_before_any_work(tmp_path, capsys):
         assert "ssd:" not in stdout  # nothing was measured
 
 
+@pytest.mark.slow(10)
 def test_generation_check_compares_pallas_with_xla(tmp_path, capsys):
     # gpu_generate.py's CPU smoke run: the Generator with the Pallas SSD (interpreted) against XLA's, both dtypes.
     out = tmp_path / "gen.json"
@@ -99,6 +101,7 @@ def test_generation_check_compares_pallas_with_xla(tmp_path, capsys):
     assert code == 2 and "no GPU" in err
 
 
+@pytest.mark.slow(28)
 @pytest.mark.aot
 def test_report_keeps_the_steps_within_their_kernel_budget(h200_target, tmp_path, capsys):
     # What CI runs: the Generator's steps for h-tiny's first six layers (five Mamba, one attention) compiled for an

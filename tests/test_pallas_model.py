@@ -111,6 +111,7 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
             assert text.count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
 
 
+@pytest.mark.slow(15)
 @pytest.mark.aot
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32-on-bf16"])
 def test_generation_steps_compile_for_h200(dtype, h200_target):

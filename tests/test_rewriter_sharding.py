@@ -21,6 +21,7 @@ from rewriter import api
 REWRITE = dict(min_flops=0, min_dim=1)
 
 
+@pytest.mark.slow(6)
 def test_under_mesh_devices():
     run_under_mesh_devices(__file__)
 

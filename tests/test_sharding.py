@@ -35,6 +35,7 @@ LAYOUTS = ["model=8", "data=2,model=2,expert=2"]  # tensor, and a mix with the b
 PROMPTS = ["The quick brown fox", "a", "State spaces", "hello world", "x y z", "Granite", "1 2 3", "mesh"]
 
 
+@pytest.mark.slow(35)
 def test_under_mesh_devices():
     run_under_mesh_devices(__file__)
 

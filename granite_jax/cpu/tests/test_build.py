@@ -77,6 +77,7 @@ def test_kernels_load_here():
     assert build.panels_use_avx512() == asked and ("(AVX-512)" in ops.describe(Runtime())) == asked
 
 
+@pytest.mark.slow(18)
 @needs_kernels
 def test_a_fresh_build_loads_follows_the_cpu_and_is_cached(tmp_path, monkeypatch, rebuild):
     # The suite's one build from scratch, run here rather than in a fresh process (the first use is the same code; a

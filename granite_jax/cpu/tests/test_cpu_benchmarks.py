@@ -54,6 +54,7 @@ def test_benchmark_script_times_the_mamba_state_update(tmp_path, capsys):
     assert doc["mamba_step"] == [] and "| 9 | (9, 48, 32, 128) |" in stdout
 
 
+@pytest.mark.slow(10)
 @needs_kernels
 def test_benchmark_script_times_the_mamba_step(tmp_path, capsys):
     out = tmp_path / "bench.json"
