@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from granite_jax import cli
-from granite_jax.checkpoint import FLOAT8, export_safetensors, is_orbax_checkpoint, load_tokenizer, stored_dtype
+from granite_jax.checkpoint import FLOAT8_NAME, export_safetensors, is_orbax_checkpoint, load_tokenizer, stored_dtype
 from granite_jax.errors import InputError
 from granite_jax.experiments.common import (
     ExperimentError,
@@ -151,12 +151,12 @@ def hf_model(model: Granite, checkpoint: str | None, dtype: str):
     torch_dtype = getattr(torch, dtype)
     weights = model_weight_dtype(model)
     hf_directory = checkpoint and not is_orbax_checkpoint(checkpoint)
-    if hf_directory and weights != FLOAT8 and weights in (dtype, stored_dtype(checkpoint)):
+    if hf_directory and weights != FLOAT8_NAME and weights in (dtype, stored_dtype(checkpoint)):
         return GraniteMoeHybridForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype).eval()
     tmp = tempfile.mkdtemp(prefix="granite-jax-export-")
     try:  # written in the weights' own dtype (exact: `check_same_weights`), widened to `dtype` by from_pretrained;
         # float8 weights dequantized in float32 (exact), so transformers runs on the values they stand for
-        export = "float32" if weights == FLOAT8 else weights if isinstance(weights, str) else dtype
+        export = "float32" if weights == FLOAT8_NAME else weights if isinstance(weights, str) else dtype
         export_safetensors(model, tmp, dtype=export)
         return GraniteMoeHybridForCausalLM.from_pretrained(tmp, dtype=torch_dtype).eval()
     finally:
@@ -638,7 +638,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--weight-dtype",
-        choices=("float32", "bfloat16", FLOAT8),
+        choices=("float32", "bfloat16", FLOAT8_NAME),
         help="granite-jax's weights (default: --dtype); bfloat16 with --dtype float32 computes in float32 on the "
         "weights as stored, half the memory; transformers still runs in --dtype, on the same values (no wider than "
         "--dtype). float8: the matrices quantized to float8 with per-channel scales; transformers runs on their "

@@ -27,7 +27,7 @@ from types import FrameType
 
 from granite_jax import cli
 from granite_jax.checkpoint import (
-    FLOAT8,
+    FLOAT8_NAME,
     WEIGHT_DTYPES,
     CheckpointError,
     check_writable,
@@ -58,7 +58,7 @@ def convert(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
         name = stored if stored in WEIGHT_DTYPES else "float32"
     if name not in WEIGHT_DTYPES:
         raise CheckpointError(f"dtype must be auto or one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
-    arithmetic = "bfloat16" if name == FLOAT8 else name  # float8 is a storage format (checkpoint.dtypes)
+    arithmetic = "bfloat16" if name == FLOAT8_NAME else name  # float8 is a storage format (checkpoint.dtypes)
     model = load_model(model_dir, dtype=arithmetic, weight_dtype=name, progress=progress)
     return save_checkpoint(model, out_dir, copy_from=model_dir, source=os.path.abspath(model_dir))
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from granite_jax import cli, sharding
-from granite_jax.checkpoint import AUTO, DTYPES, FLOAT8, NO_MODEL_MESSAGE, WEIGHT_DTYPES, default_model_dir
+from granite_jax.checkpoint import AUTO, DTYPES, FLOAT8_NAME, NO_MODEL_MESSAGE, WEIGHT_DTYPES, default_model_dir
 from granite_jax.errors import GenerationError, InputError
 from granite_jax.generation import Generator, SamplingConfig, Timing
 from granite_jax.generation.generator import DECODE_CHUNK, StreamCallback
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("runtime")
     r.add_argument(
         "--dtype",
-        choices=[*DTYPES, FLOAT8],
+        choices=[*DTYPES, FLOAT8_NAME],
         default="float32",
         help="arithmetic dtype, and the weights' unless --weight-dtype says otherwise (float32). float8: float8 "
         "weights (the matrices in e4m3 with one scale per output channel, the rest bfloat16) and bfloat16 "
@@ -251,12 +251,12 @@ def _check_flag_combinations(args: argparse.Namespace) -> None:
         raise GenerationError("--stream and --json exclude each other: --json prints one JSON document at the end")
     if args.system is not None and not args.chat:
         raise GenerationError("--system needs --chat (the system prompt goes into the chat template)")
-    if args.dtype == FLOAT8:  # float8 is a weight format: shorthand for bfloat16 arithmetic over float8 weights
-        if args.weight_dtype not in (AUTO, FLOAT8):
+    if args.dtype == FLOAT8_NAME:  # float8 is a weight format: shorthand for bfloat16 arithmetic over float8 weights
+        if args.weight_dtype not in (AUTO, FLOAT8_NAME):
             raise GenerationError(
                 f"--dtype float8 means float8 weights; --weight-dtype {args.weight_dtype} contradicts it"
             )
-        args.dtype, args.weight_dtype = "bfloat16", FLOAT8
+        args.dtype, args.weight_dtype = "bfloat16", FLOAT8_NAME
     if args.ssd_impl == "pallas":
         import pallas_kernels
 

@@ -154,7 +154,6 @@ def test_float8_weights_run_float8_gemms_on_an_h200(h200_target):
     x = jax.ShapeDtypeStruct((512, 1536), jnp.bfloat16)
     w, scale = jax.ShapeDtypeStruct((3072, 1536), FLOAT8), jax.ShapeDtypeStruct((3072,), jnp.float32)
     hlo = lower_for_gpu(gpu.float8_linear, (x, w, scale)).compile().as_text()
-    # the GEMM's operands are both float8: tensor cores' FP8 product, not a widened one
-    assert re.search(
-        r"f32\[512,3072\]\{1,0\} dot\(f8e4m3fn\[512,1536\]\{1,0\} %\w+, f8e4m3fn\[3072,1536\]", hlo
-    ) or re.search(r"= f32\[512,3072\]\{1,0\} dot\(%parameter_0, %parameter_1\)", hlo), hlo[:2000]
+    # the GEMM fusion's operands are both float8: tensor cores' FP8 product, not a widened one
+    operands = r"\(parameter_0: f8e4m3fn\[512,1536\], parameter_1: f8e4m3fn\[3072,1536\]\) -> f32\[512,3072\]"
+    assert re.search(r"%gemm_fusion\S* " + operands, hlo), hlo[:3000]

@@ -1,7 +1,7 @@
 """Checkpoints: Hugging Face safetensors directories (`hf`) and granite-jax's orbax ones (`orbax`), one `load_model`
 for both, and the dtype policy (`dtypes`)."""
 
-from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8, WEIGHT_DTYPES, dtype_name
+from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8_NAME, WEIGHT_DTYPES, dtype_name
 from granite_jax.checkpoint.hf import export_safetensors, load_config
 from granite_jax.checkpoint.loading import (
     NO_MODEL_MESSAGE,
@@ -16,7 +16,7 @@ from granite_jax.errors import CheckpointError
 __all__ = [
     "AUTO",
     "DTYPES",
-    "FLOAT8",
+    "FLOAT8_NAME",
     "NO_MODEL_MESSAGE",
     "WEIGHT_DTYPES",
     "CheckpointError",

@@ -22,21 +22,22 @@ from granite_jax.errors import InputError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}  # the names commands take
 WEIGHT_DTYPES = DTYPES | {"float8": jnp.float8_e4m3fn}
-FLOAT8 = "float8"
+FLOAT8_NAME = "float8"
 AUTO = "auto"
 
 
 def dtype_name(name: str, value: Any, names: dict[str, Any] = DTYPES) -> str:
     """`value` (a name in `names`, or the jnp/np dtype of one) as its name; InputError naming `name` otherwise."""
-    if isinstance(value, str) and value == FLOAT8 and FLOAT8 in names:
-        return FLOAT8
+    if isinstance(value, str) and value == FLOAT8_NAME and FLOAT8_NAME in names:
+        return FLOAT8_NAME
     try:
         found = None if value is None or isinstance(value, bool) else jnp.dtype(value).name
     except (TypeError, ValueError):
         found = None
-    found = FLOAT8 if found == jnp.dtype(WEIGHT_DTYPES[FLOAT8]).name and FLOAT8 in names else found
+    found = FLOAT8_NAME if found == jnp.dtype(WEIGHT_DTYPES[FLOAT8_NAME]).name and FLOAT8_NAME in names else found
     if found not in names:
-        also = " (float8 is a format for weights: compute in bfloat16 over float8 weights)" if value == FLOAT8 else ""
+        weights_only = value == FLOAT8_NAME
+        also = " (float8 is a format for weights: compute in bfloat16 over float8 weights)" if weights_only else ""
         raise InputError(f"{name} must be one of {', '.join(names)}, got {value!r}{also}")
     return found
 
@@ -47,8 +48,8 @@ def weight_dtype_name(dtype: str, weight_dtype: Any, stored: str | None, runtime
     if weight_dtype is None:
         return dtype
     if isinstance(weight_dtype, str) and weight_dtype == AUTO:
-        if stored == FLOAT8:
-            return FLOAT8
+        if stored == FLOAT8_NAME:
+            return FLOAT8_NAME
         narrow = dtype == "float32" and stored == "bfloat16" and ops.widens_weights(runtime)
         return "bfloat16" if narrow else dtype
     return dtype_name("weight_dtype", weight_dtype, WEIGHT_DTYPES)

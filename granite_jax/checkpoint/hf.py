@@ -16,6 +16,7 @@ released FP8 ones' format: compressed-tensors "float-quantized", 8-bit float wei
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -214,15 +215,22 @@ def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str
 def _float8_tensor(path: str, name: str) -> np.ndarray:
     """A float8 (e4m3) tensor read from the file's bytes: the format is an 8-byte little-endian header length, a JSON
     header giving each tensor's dtype, shape and byte range, then the data."""
+    data_start, header = _safetensors_header(path, os.stat(path).st_mtime_ns)
+    entry = header[name]
+    begin, end = entry["data_offsets"]
     with open(path, "rb") as f:
-        (length,) = np.frombuffer(f.read(8), "<u8")
-        entry = json.loads(f.read(int(length)))[name]
-        begin, end = entry["data_offsets"]
-        f.seek(8 + int(length) + begin)
+        f.seek(data_start + begin)
         data = f.read(end - begin)
     if len(data) != end - begin:
         raise ValueError(f"{end - begin} bytes expected, {len(data)} read")
     return np.frombuffer(data, np.dtype(jax.numpy.float8_e4m3fn)).reshape(entry["shape"])
+
+
+@functools.lru_cache(maxsize=4)  # parsed once per file, not once per tensor (thousands in a large checkpoint)
+def _safetensors_header(path: str, mtime_ns: int) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        (length,) = np.frombuffer(f.read(8), "<u8")
+        return 8 + int(length), json.loads(f.read(int(length)))
 
 
 # ---------------------------------------------------------------------------------------------- import

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from granite_jax import sharding
 from granite_jax.checkpoint import hf, orbax
-from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8, WEIGHT_DTYPES, dtype_name, weight_dtype_name
+from granite_jax.checkpoint.dtypes import AUTO, DTYPES, FLOAT8_NAME, WEIGHT_DTYPES, dtype_name, weight_dtype_name
 from granite_jax.config import ModelConfig
 from granite_jax.errors import CheckpointError
 from granite_jax.model import Granite, abstract_model
@@ -43,9 +43,9 @@ def load_model(
     auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
     float8 = _stores_float8(model_dir)
     if float8 and weight_dtype is None:  # nothing else reads it: its weights stay as they are stored
-        weight_dtype = FLOAT8
+        weight_dtype = FLOAT8_NAME
     weights = weight_dtype_name(dtype, weight_dtype, stored_dtype(model_dir) if auto else None, runtime)
-    if float8 and weights != FLOAT8:
+    if float8 and weights != FLOAT8_NAME:
         raise CheckpointError(
             f"{os.fspath(model_dir)}: the checkpoint stores float8 weights; load it with weight dtype float8 "
             f"(or auto), not {weights}"
@@ -91,7 +91,7 @@ def _nonfinite_counts(leaves: list[jax.Array]) -> list[jax.Array]:
 
 def _stores_float8(model_dir: str | os.PathLike) -> bool:
     if orbax.is_orbax_checkpoint(model_dir):
-        return orbax.read_marker(model_dir).get("param_dtype") == FLOAT8
+        return orbax.read_marker(model_dir).get("param_dtype") == FLOAT8_NAME
     return hf.is_float8_checkpoint(model_dir)
 
 
@@ -102,7 +102,7 @@ def stored_dtype(model_dir: str | os.PathLike) -> str | None:
         found = orbax.read_marker(model_dir).get("param_dtype")
         return found if isinstance(found, str) else None
     if _stores_float8(model_dir):
-        return FLOAT8
+        return FLOAT8_NAME
     return hf.headers_dtype(hf.checkpoint_files(model_dir))
 
 

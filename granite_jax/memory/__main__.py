@@ -368,6 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as e:
         print(f"granite_jax.memory: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # --measure runs for minutes on a large model; it writes nothing until the end
+        print("granite_jax.memory: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
