@@ -48,7 +48,7 @@ FLOAT8_MAX = float(jnp.finfo(FLOAT8).max)  # 448
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MambaState:
-    conv: Array  # (b, K, conv_dim): the last pre-activation conv inputs, in the activation dtype, as a ring: the
+    conv: Array  # (b, K, conv channels): the last pre-activation conv inputs, in the activation dtype, as a ring: the
     # input of slot t at t mod K, so that a decode step writes one entry in place (`conv_step`); the K-1 before the
     # next slot are read, the other is stale
     ssm: Array  # (b, h, p, n) float32
@@ -71,11 +71,20 @@ class Cache:
     index: Array  # () int32
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, pad: Array | None = None) -> Cache:
+    def init(
+        cls,
+        cfg: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype=jnp.float32,
+        pad: Array | None = None,
+        row_blocks: int = 1,
+    ) -> Cache:
+        """A zeroed cache. row_blocks: the model's (`Granite.row_blocks`), which sets the conv ring's width."""
         layers = []
         for kind in cfg.layer_types:
             if kind == MAMBA:
-                conv = jnp.zeros((batch, cfg.mamba_d_conv, cfg.mamba_conv_dim), dtype)
+                conv = jnp.zeros((batch, cfg.mamba_d_conv, mamba_conv_channels(cfg, row_blocks)), dtype)
                 ssm_shape = (batch, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_d_state)
                 layers.append(MambaState(conv, jnp.zeros(ssm_shape, jnp.float32)))
             else:
@@ -259,15 +268,28 @@ def mamba_conv(
     return out, history_ring(history, slot + T).astype(ring.dtype)
 
 
+def mamba_conv_channels(cfg: ModelConfig, blocks: int = 1) -> int:
+    """The conv's channels [x | B | C] over `blocks` blocks: x's d_inner once, B's and C's groups once per block
+    where blocks outnumber groups (`MambaMixer`)."""
+    return cfg.mamba_d_inner + 2 * max(cfg.mamba_n_groups, blocks) * cfg.mamba_d_state
+
+
 class MambaMixer(nnx.Module):
     """Mamba-2 mixer (Dao & Gu 2024, §7): in_proj -> [z | xBC | dt]; causal conv + SiLU on xBC -> [x | B | C]; the
-    SSD of (x, dt, A, B, C, D); the gated norm of its output by z; out_proj."""
+    SSD of (x, dt, A, B, C, D); the gated norm of its output by z; out_proj.
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype = cfg, dtype
-        h, conv_dim = cfg.mamba_n_heads, cfg.mamba_conv_dim
+    `blocks` splits in_proj's rows (and the conv's channels) into that many blocks by heads, each
+    [z | x B C | dt] for its heads with the B and C groups they read, so that a mesh's model axis splits them on
+    block boundaries and every device runs its heads from its own rows (`granite_jax.sharding`; vLLM's
+    tensor-parallel Mamba-2 lays its rows out the same way). One block is transformers' order."""
+
+    def __init__(
+        self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, blocks: int = 1, rngs: nnx.Rngs
+    ):
+        self.cfg, self.dtype, self.blocks = cfg, dtype, blocks
+        h, conv_dim = cfg.mamba_n_heads, mamba_conv_channels(cfg, blocks)
         linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.in_proj = Linear(cfg.hidden_size, cfg.mamba_in_proj_dim, **linear_kw)
+        self.in_proj = Linear(cfg.hidden_size, cfg.mamba_d_inner + conv_dim + h, **linear_kw)
         bound, param_dtype = 1 / math.sqrt(cfg.mamba_d_conv), dense_dtype(param_dtype)  # the vectors below
         self.conv_weight = nnx.Param(
             jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
@@ -295,17 +317,22 @@ class MambaMixer(nnx.Module):
         """Between the projections: in_proj's output [z | xBC | dt] (b, T, d_inner + conv_dim + heads) -> the gated,
         normed SSD output (b, T, d_inner) and the state after it. Arithmetic in float32 up to the SSD's inputs, which
         are in the model's dtype, as transformers' conv1d returns them."""
-        cfg, (b, T, _) = self.cfg, zxbcdt.shape
+        cfg, (b, T, _), s = self.cfg, zxbcdt.shape, self.blocks
         h, p, g, n = cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state
-        z, xBC, dt = jnp.split(zxbcdt, [cfg.mamba_d_inner, cfg.mamba_d_inner + cfg.mamba_conv_dim], -1)
+        hp, gn = h * p // s, max(g // s, 1) * n  # a block's x (and z) channels, and its B (and C) channels
+        z, xBC, dt = jnp.split(zxbcdt.reshape(b, T, s, -1), [hp, 2 * hp + 2 * gn], -1)
 
         bias = None if self.conv_bias is None else self.conv_bias[...]
+        xBC = xBC.reshape(b, T, -1)
         xBC, ring = mamba_conv(xBC, None if state is None else state.conv, slot, self.conv_weight[...], bias)
         xBC = jax.nn.silu(xBC)
         if token_mask is not None:  # padding's conv outputs are zeroed: they never enter the state
             xBC = xBC * token_mask[..., None].astype(xBC.dtype)
-        xs, B, C = jnp.split(xBC.astype(self.dtype), [h * p, h * p + g * n], -1)
-        xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, g, n), C.reshape(b, T, g, n)
+        xs, B, C = jnp.split(xBC.astype(self.dtype).reshape(b, T, s, -1), [hp, hp + gn], -1)
+        # Over blocks, B and C hold each block's groups: the SSD's heads read group h // (heads / groups) of them,
+        # which is the group their block carries.
+        xs, B, C = xs.reshape(b, T, h, p), B.reshape(b, T, -1, n), C.reshape(b, T, -1, n)
+        z, dt = z.reshape(b, T, h * p), dt.reshape(b, T, h)
 
         lo, hi = cfg.time_step_limit
         dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)), lo, hi)
@@ -418,22 +445,26 @@ def attend_cache(q: Array, cache: KVState, pos: Positions, scale: float, block: 
 # ---------------------------------------------------------------------------------------------- feed-forward
 
 
-def swiglu(h: Array) -> Array:
-    """silu(gate) * up of a fused [gate | up] projection."""
-    gate, up = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+def swiglu(h: Array, blocks: int = 1) -> Array:
+    """silu(gate) * up of a fused [gate | up] projection, its columns in `blocks` blocks [gate_i | up_i] (one block
+    a device of a mesh's model axis, so each device's gates meet their ups: `granite_jax.sharding`)."""
+    gate, up = jnp.split(h.reshape(*h.shape[:-1], blocks, 2, -1), 2, axis=-2)
+    return (jax.nn.silu(gate) * up).reshape(*h.shape[:-1], -1)
 
 
 class SharedMLP(nnx.Module):
-    """SwiGLU with fused [gate | up] input projection."""
+    """SwiGLU with fused [gate | up] input projection (its rows in `blocks` blocks: `swiglu`)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, blocks: int = 1, rngs: nnx.Rngs
+    ):
         linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.blocks = blocks
         self.input_linear = Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, **linear_kw)
         self.output_linear = Linear(cfg.shared_intermediate_size, cfg.hidden_size, **linear_kw)
 
     def __call__(self, x: Array) -> Array:
-        return self.output_linear(swiglu(self.input_linear(x)))
+        return self.output_linear(swiglu(self.input_linear(x), self.blocks))
 
 
 @ops.replaceable
@@ -450,10 +481,13 @@ def expert_linear(x: Array, w: Array, experts: Array) -> Array:
 
 
 class MoE(nnx.Module):
-    """Top-k routed experts: top-k over raw router logits, softmax over the k chosen, SwiGLU experts [gate | up]."""
+    """Top-k routed experts: top-k over raw router logits, softmax over the k chosen, SwiGLU experts [gate | up]
+    (their columns in `blocks` blocks: `swiglu`)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        self.cfg, self.dtype = cfg, dtype
+    def __init__(
+        self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, blocks: int = 1, rngs: nnx.Rngs
+    ):
+        self.cfg, self.dtype, self.blocks = cfg, dtype, blocks
         E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
         self.router = Linear(H, E, dtype=dtype, param_dtype=dense_dtype(param_dtype), rngs=rngs)
         self.input_linear, self.input_linear_scale = _experts(rngs, (E, H, 2 * F), param_dtype)
@@ -463,13 +497,36 @@ class MoE(nnx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = self.router(x).astype(jnp.float32)
-        top_logits, experts = lax.top_k(logits, self.cfg.num_experts_per_tok)  # (N, k)
+        top_logits, experts = top_experts(logits, self.cfg.num_experts_per_tok)  # (N, k)
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
         N, k = experts.shape
         rows, chosen = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # one per (token, expert)
-        h = swiglu(_scaled(expert_linear(rows, self.input_linear[...], chosen), self.input_linear_scale, chosen))
-        y = _scaled(expert_linear(h, self.output_linear[...], chosen), self.output_linear_scale, chosen)
+        scales = [None if s is None else s[...] for s in (self.input_linear_scale, self.output_linear_scale)]
+        y = experts_swiglu(rows, chosen, self.input_linear[...], self.output_linear[...], *scales, blocks=self.blocks)
         return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates).reshape(shape)
+
+
+@ops.replaceable
+def top_experts(logits: Array, k: int) -> tuple[Array, Array]:
+    """The k largest router logits of each row (N, E) and their experts, (N, k) each."""
+    return lax.top_k(logits, k)
+
+
+@ops.replaceable
+def experts_swiglu(
+    rows: Array,
+    experts: Array,
+    w_in: Array,
+    w_out: Array,
+    in_scale: Array | None,
+    out_scale: Array | None,
+    *,
+    blocks: int = 1,
+) -> Array:
+    """Each row (R, H) through its expert's SwiGLU: w_in (E, H, 2F) [gate | up] in `blocks` blocks (`swiglu`), w_out
+    (E, F, H), float8 weights' scales (E, out) or None; experts (R,)."""
+    h = swiglu(_scaled(expert_linear(rows, w_in, experts), in_scale, experts), blocks)
+    return _scaled(expert_linear(h, w_out, experts), out_scale, experts)
 
 
 def _experts(rngs: nnx.Rngs, shape: tuple[int, int, int], param_dtype) -> tuple[nnx.Param, nnx.Param | None]:
@@ -481,25 +538,34 @@ def _experts(rngs: nnx.Rngs, shape: tuple[int, int, int], param_dtype) -> tuple[
     return nnx.Param(w), nnx.Param(scale)
 
 
-def _scaled(y: Array, scale: nnx.Param | None, experts: Array) -> Array:
+def _scaled(y: Array, scale: Array | None, experts: Array) -> Array:
     """Rows y (R, out) of float8 experts' products times their experts' output scales (scale (E, out))."""
-    return y if scale is None else (y.astype(jnp.float32) * scale[...][experts]).astype(y.dtype)
+    return y if scale is None else (y.astype(jnp.float32) * scale[experts]).astype(y.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- decoder
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, kind: str, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kind: str,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        row_blocks: int = 1,
+        rngs: nnx.Rngs,
+    ):
         self.kind, self.residual_multiplier = kind, cfg.residual_multiplier
         kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         norm_kw = dict(param_dtype=dense_dtype(param_dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
-        self.mamba = MambaMixer(cfg, **kw) if kind == MAMBA else None
+        self.mamba = MambaMixer(cfg, **kw, blocks=row_blocks) if kind == MAMBA else None
         self.self_attn = Attention(cfg, **kw) if kind == ATTENTION else None
-        self.block_sparse_moe = MoE(cfg, **kw) if cfg.num_local_experts else None
-        self.shared_mlp = SharedMLP(cfg, **kw)
+        self.block_sparse_moe = MoE(cfg, **kw, blocks=row_blocks) if cfg.num_local_experts else None
+        self.shared_mlp = SharedMLP(cfg, **kw, blocks=row_blocks)
 
     def __call__(self, x: Array, pos: Positions, state):
         h = self.input_layernorm(x)
@@ -519,7 +585,9 @@ class Granite(nnx.Module):
     """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`.
 
     `runtime` (`ops.Runtime`, default `Runtime()`) chooses the SSD implementation and the platform kernels; it is not
-    a weight, and `with_runtime` swaps it without touching them."""
+    a weight, and `with_runtime` swaps it without touching them. `row_blocks`: the blocks the Mamba mixers'
+    and SwiGLUs' fused projections lay their rows out in (`MambaMixer`, `swiglu`; a mesh's model axis size, set by
+    `granite_jax.sharding`; 1 is transformers' order)."""
 
     def __init__(
         self,
@@ -528,13 +596,17 @@ class Granite(nnx.Module):
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         runtime: Runtime | None = None,
+        row_blocks: int = 1,
         rngs: nnx.Rngs,
     ):
-        self.cfg, self.dtype, self.runtime = cfg, dtype, runtime or Runtime()
+        self.cfg, self.dtype, self.runtime, self.row_blocks = cfg, dtype, runtime or Runtime(), row_blocks
         dense = dense_dtype(param_dtype)  # the embedding is the tied head: float8 weights keep it in bfloat16
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dense, rngs=rngs)
         self.layers = nnx.List(
-            [DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for kind in cfg.layer_types]
+            [
+                DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, row_blocks=row_blocks, rngs=rngs)
+                for kind in cfg.layer_types
+            ]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=dense)
         self.lm_head = (
@@ -660,10 +732,16 @@ def _check_room(cache: Cache, T: int) -> None:
 
 
 def abstract_model(
-    cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, runtime: Runtime | None = None
+    cfg: ModelConfig,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    runtime: Runtime | None = None,
+    row_blocks: int = 1,
 ) -> Granite:
     """The model with shape-only parameters: nothing is allocated (for parameter counts and loading)."""
-    return nnx.eval_shape(lambda: Granite(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime, rngs=nnx.Rngs(0)))
+    kw = dict(dtype=dtype, param_dtype=param_dtype, runtime=runtime, row_blocks=row_blocks)
+    return nnx.eval_shape(lambda: Granite(cfg, **kw, rngs=nnx.Rngs(0)))
 
 
 def count_params(model: Granite) -> int:
@@ -690,7 +768,9 @@ def with_runtime(model: Granite, runtime: Runtime) -> Granite:
 def with_float8_weights(model: Granite) -> Granite:
     """The model with its matrices quantized to float8, one scale per output channel (`quantize`), and its other
     parameters in bfloat16."""
-    other = abstract_model(model.cfg, dtype=model.dtype, param_dtype=FLOAT8, runtime=model.runtime)
+    other = abstract_model(
+        model.cfg, dtype=model.dtype, param_dtype=FLOAT8, runtime=model.runtime, row_blocks=model.row_blocks
+    )
     source = {path: v[...] for path, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     state = nnx.state(other, nnx.Param)
     flat = dict(nnx.to_flat_state(state))
@@ -707,6 +787,6 @@ def with_float8_weights(model: Granite) -> Granite:
 
 def with_dtype(model: Granite, dtype: DTypeLike) -> Granite:
     """The same weights (shared, not copied, in the dtype they are stored in) computing in `dtype`."""
-    other = abstract_model(model.cfg, dtype=dtype, runtime=model.runtime)
+    other = abstract_model(model.cfg, dtype=dtype, runtime=model.runtime, row_blocks=model.row_blocks)
     nnx.update(other, nnx.state(model, nnx.Param))  # the weights as they are, dtype included
     return other

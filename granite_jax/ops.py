@@ -35,6 +35,7 @@ BACKENDS = {  # name -> module
     "pallas": "granite_jax.pallas",
     "cpu": "granite_jax.cpu",
     "gpu": "granite_jax.gpu",
+    "mesh": "granite_jax.sharding",
 }
 PLATFORM_KERNELS = {"cpu": "cpu", "gpu": "gpu"}  # a JAX platform -> the backend `Runtime.kernels` turns on there
 
@@ -53,12 +54,15 @@ class Runtime:
     2-16 rows, as much memory again as those weights). None: when they fit in half the free memory.
     platform: the JAX platform ("cpu", "gpu") the program is for, whose kernel backend `kernels` turns on. None: JAX's
     default backend; set it to compile for another, as for an H200 from a machine without one.
+    mesh: the `jax.sharding.Mesh` the weights are placed over (`granite_jax.sharding`), whose backend runs the experts
+    on the devices holding them; the platform kernels are off over one (XLA cannot partition a custom call).
     """
 
     ssd: str = "xla"
     kernels: bool = True
     pack_weights: bool | None = None
     platform: str | None = None
+    mesh: Any = None
 
     def __post_init__(self):
         if self.ssd not in SSD_IMPLS:
@@ -69,6 +73,8 @@ class Runtime:
             raise InputError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
         if self.platform is not None and self.platform not in PLATFORM_KERNELS:
             raise InputError(f"platform: {self.platform!r} is not one of None, {', '.join(PLATFORM_KERNELS)}")
+        if self.mesh is not None and self.ssd == "pallas":
+            raise InputError("ssd: the Pallas SSD does not run over a mesh: use 'xla'")
 
     def replace(self, **changes: Any) -> Runtime:
         return dataclasses.replace(self, **changes)
@@ -77,6 +83,8 @@ class Runtime:
     def backends(self) -> tuple[str, ...]:
         """The backends consulted, first to last."""
         ssd = () if self.ssd == "xla" else (self.ssd,)
+        if self.mesh is not None:
+            return (*ssd, "mesh")
         platform = PLATFORM_KERNELS.get(self.platform or jax.default_backend()) if self.kernels else None
         return ssd + ((platform,) if platform else ())
 

@@ -8,9 +8,11 @@ block's first product by output columns and its second by input rows, so each bl
 
 - attention: q, k, v by heads (rows of (heads * head_dim, H)), o_proj by its input columns; the KV cache by kv head;
 - Mamba: in_proj by rows, out_proj by its input columns, the conv, dt_bias, A_log, D and the gated norm's weight by
-  channel or head; the SSM state by head, the conv ring by channel. in_proj's rows are [z | x B C | dt]: split in
-  contiguous blocks they do not fall on head boundaries, so XLA gathers its output before the mixer (a head-aligned
-  row order is the next step);
+  channel or head; the SSM state by head, the conv ring by channel. in_proj's rows, transformers' [z | x B C | dt],
+  are laid out in one block a device (`MambaMixer.blocks`, `mamba_block_order`): block i holds the z, x and dt rows
+  of the device's heads and the B and C rows of the groups they read (Granite's one group is copied into every
+  block), so every device runs its heads from its own rows and the mixer needs no collective until the gated norm's
+  statistic (one all-reduce of a (b, T, 1) sum) and out_proj's partial sums;
 - FFN: the shared MLP's [gate | up] by rows and its output by columns; the experts by expert over "expert", and each
   expert's columns (then rows) over "model"; without an "expert" axis, the experts over "model";
 - the embedding (and the tied head) by vocabulary rows; norms and the router whole.
@@ -22,12 +24,15 @@ partial sum and an all-reduce. Meshes use Auto axes: the model's code carries no
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -90,15 +95,16 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
             ("model", model, "key/value heads", cfg.num_key_value_heads),
         ]
     if cfg.has_mamba:
-        splits += [
-            ("model", model, "Mamba heads", cfg.mamba_n_heads),
-            ("model", model, "conv channels", cfg.mamba_conv_dim),
-        ]
+        splits.append(("model", model, "Mamba heads", cfg.mamba_n_heads))
+        g = cfg.mamba_n_groups
+        if model and g % model and model % g:
+            raise InputError(
+                f"mesh axis 'model' of size {model} and the model's {g} Mamba groups: one must divide the other"
+            )
     splits.append(("model", model, "shared MLP width", cfg.shared_intermediate_size))
     if cfg.num_local_experts:
         splits.append(("expert" if _size(mesh, "expert") else "model", expert, "experts", cfg.num_local_experts))
-        if _size(mesh, "expert"):
-            splits.append(("model", model, "expert width", cfg.intermediate_size))
+        splits.append(("model", model, "expert width", cfg.intermediate_size))  # [gate | up] in blocks
     for axis, size, what, count in splits:
         if size and count % size:
             raise InputError(f"mesh axis {axis!r} of size {size} does not divide the model's {count} {what}")
@@ -148,19 +154,179 @@ def cache_shardings(cache: Any, mesh: Mesh) -> Any:
     return type(cache)(layers, named(data), named())
 
 
+def row_blocks(mesh: Mesh | None) -> int:
+    """The Mamba mixers' row blocks over `mesh` (`MambaMixer.blocks`): one a device of its model axis."""
+    return 1 if mesh is None else max(_size(mesh, "model"), 1)
+
+
+def mamba_block_order(cfg: ModelConfig, blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(in_proj rows, conv channels) in `blocks` blocks: the transformers-order index of each row and channel.
+
+    Block i holds the z, x and dt rows of heads [i h/s, (i+1) h/s) and the B and C rows of the groups those heads
+    read (head j reads group j g / h): groups split over blocks where they outnumber them, copied otherwise."""
+    h, p, g, n, d = (cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state, cfg.mamba_d_inner)
+    hs, gs = h // blocks, max(g // blocks, 1)  # heads and groups a block
+    rows, channels = [], []
+    for i in range(blocks):
+        group = i * hs * g // h  # the first group the block's heads read
+        conv = np.concatenate(
+            [
+                np.arange(i * hs * p, (i + 1) * hs * p),  # x
+                d + np.arange(group * n, (group + gs) * n),  # B
+                d + g * n + np.arange(group * n, (group + gs) * n),  # C
+            ]
+        )
+        channels.append(conv)
+        dt = 2 * d + 2 * g * n + np.arange(i * hs, (i + 1) * hs)
+        rows.append(np.concatenate([np.arange(i * hs * p, (i + 1) * hs * p), d + conv, dt]))  # [z | x B C | dt]
+    return np.concatenate(rows), np.concatenate(channels)
+
+
+def gate_up_order(width: int, blocks: int) -> np.ndarray:
+    """A fused [gate | up] projection's outputs in `blocks` blocks [gate_i | up_i] (`model.swiglu`)."""
+    gate = np.arange(width).reshape(blocks, 1, -1)
+    return np.concatenate([gate, gate + width], axis=1).reshape(-1)
+
+
+_BLOCKED = {  # NNX path -> (the order of `blocks` blocks, given the config, and the axis it indexes)
+    r"mamba\.in_proj\.weight(_scale)?": (lambda cfg, s: mamba_block_order(cfg, s)[0], 0),
+    r"mamba\.conv_weight": (lambda cfg, s: mamba_block_order(cfg, s)[1], 1),
+    r"mamba\.conv_bias": (lambda cfg, s: mamba_block_order(cfg, s)[1], 0),
+    r"shared_mlp\.input_linear\.weight(_scale)?": (lambda cfg, s: gate_up_order(cfg.shared_intermediate_size, s), 0),
+    r"block_sparse_moe\.input_linear": (lambda cfg, s: gate_up_order(cfg.intermediate_size, s), 2),
+    r"block_sparse_moe\.input_linear_scale": (lambda cfg, s: gate_up_order(cfg.intermediate_size, s), 1),
+}
+
+
+def relaid(path: str, blocks: int) -> bool:
+    """Whether `blocks` blocks reorder parameter `path` (`to_blocks`)."""
+    return blocks > 1 and any(re.fullmatch(_L + pattern, path) for pattern in _BLOCKED)
+
+
+def _block_index(path: str, cfg: ModelConfig, blocks: int) -> tuple[np.ndarray, int] | None:
+    for pattern, (order, axis) in _BLOCKED.items():
+        if blocks > 1 and re.fullmatch(_L + pattern, path):
+            return order(cfg, blocks), axis
+    return None
+
+
+def divides(shape: tuple[int, ...], sharding: NamedSharding) -> bool:
+    """Whether `sharding` splits every dimension of `shape` evenly."""
+    mesh, spec = sharding.mesh, tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    parts = [math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis or ())) for axis in spec]
+    return all(size % n == 0 for size, n in zip(shape, parts))
+
+
+def to_blocks(cfg: ModelConfig, blocks: int, path: str, x: Any) -> Any:
+    """Parameter `path`'s value `x` (transformers' order; a NumPy or JAX array) in the order of `blocks` blocks."""
+    index = _block_index(path, cfg, blocks)
+    return x if index is None else x.take(index[0], axis=index[1])
+
+
+def from_blocks(cfg: ModelConfig, blocks: int, path: str, x: Any) -> Any:
+    """`to_blocks`' inverse: each transformers-order row from its first place in the blocks."""
+    index = _block_index(path, cfg, blocks)
+    if index is None:
+        return x
+    order, axis = index
+    first = np.full(int(order.max()) + 1, -1)
+    first[order[::-1]] = np.arange(len(order))[::-1]  # the last write wins: each index's first place
+    return x.take(first, axis=axis)
+
+
+def transformers_order(model: Any) -> dict[str, Any]:
+    """The model's parameters {NNX path: array} with the Mamba rows in transformers' order (for saving)."""
+    from flax import nnx
+
+    flat = {".".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {k: from_blocks(model.cfg, model.row_blocks, k, v) for k, v in flat.items()}
+
+
 def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Arrays whose first axis is the batch (token ids, per-row flags): rows over "data"."""
     return NamedSharding(mesh, P(_mesh_axis("data", mesh), *([None] * (ndim - 1))))
 
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
-    """The model with each parameter placed over `mesh` by its rule (a copy of each array, in its shards)."""
+    """The model with each parameter placed over `mesh` by its rule, the Mamba rows in the mesh's blocks (a copy of
+    each array, in its shards, made one at a time)."""
     from flax import nnx
 
+    from granite_jax.model import FLOAT8, abstract_model, weight_dtype
+
     check_mesh(model.cfg, mesh)
-    graphdef, state = nnx.split(model)
+    blocks = row_blocks(mesh)
+    source = transformers_order(model)
+    stored = weight_dtype(model)  # the parameters' structure: float8 matrices come with scales
+    param_dtype = FLOAT8 if stored == "float8" else stored if isinstance(stored, str) else model.dtype
+    runtime = model.runtime.replace(mesh=mesh, kernels=False)
+    kinds = dict(dtype=model.dtype, param_dtype=param_dtype, runtime=runtime, row_blocks=blocks)
+    graphdef, state = nnx.split(abstract_model(model.cfg, **kinds))
     flat = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
-    shardings = parameter_shardings({path: v[...] for path, v in flat.items()}, mesh)
+    shardings = parameter_shardings({path: v.get_value() for path, v in flat.items()}, mesh)
     for path, v in flat.items():
-        v.set_value(jax.device_put(v[...], shardings[path]))
+        place = functools.partial(to_blocks, model.cfg, blocks, path)
+        v.set_value(jax.jit(place, out_shardings=shardings[path])(source.pop(path)))
     return nnx.merge(graphdef, state)
+
+
+# ---------------------------------------------------------------------------------------------- the mesh backend
+
+
+def experts_over_mesh(reference, rows, experts, w_in, w_out, in_scale, out_scale, *, blocks: int = 1):
+    """`model.experts_swiglu` with each device running its own experts (`jax.shard_map`): a row's expert product is
+    computed where the expert's weights are, the other devices give zeros for it, and one all-reduce of the (R, H)
+    outputs sums them. Left to the partitioner, gathering the chosen experts' matrices from their shards all-reduces
+    the gathered weights themselves, (R, H, 2F) a product."""
+    mesh = _current_mesh()
+    spread = "expert" if "expert" in mesh.shape else "model"  # the axis the experts are over
+    if spread not in mesh.shape:
+        return reference(rows, experts, w_in, w_out, in_scale, out_scale, blocks=blocks)
+    width = "model" if spread == "expert" and "model" in mesh.shape else None  # each expert's columns
+    data = _mesh_axis("data", mesh)
+    scale_spec = lambda s, spec: None if s is None else spec  # noqa: E731
+
+    def local(rows, experts, w_in, w_out, in_scale, out_scale):
+        first = lax.axis_index(spread) * w_in.shape[0]
+        mine = (experts >= first) & (experts < first + w_in.shape[0])
+        ids = jnp.where(mine, experts - first, 0)
+        y = reference(rows, ids, w_in, w_out, in_scale, out_scale, blocks=1 if width else blocks)
+        return lax.psum(jnp.where(mine[:, None], y, 0).astype(y.dtype), tuple(filter(None, (spread, width))))
+
+    in_specs = (
+        P(data, None),
+        P(data),
+        P(spread, None, width),
+        P(spread, width, None),
+        scale_spec(in_scale, P(spread, width)),
+        scale_spec(out_scale, P(spread, None)),
+    )
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(data, None), check_vma=False)
+    return run(rows, experts, w_in, w_out, in_scale, out_scale)
+
+
+def top_experts_over_mesh(reference, logits, k: int):
+    """`model.top_experts` on each device's rows: left to the partitioner, top_k gathers every row's logits over the
+    data axis."""
+    data = _mesh_axis("data", _current_mesh())
+    if data is None:
+        return reference(logits, k)
+    rows = P(data, None)
+    run = jax.shard_map(lambda x: tuple(reference(x, k)), mesh=_current_mesh(), in_specs=rows, out_specs=(rows, rows))
+    return run(logits)
+
+
+def _current_mesh() -> Mesh:
+    from granite_jax import ops
+
+    return ops.current().mesh
+
+
+def _register() -> None:
+    from granite_jax import model, ops
+
+    ops.register("mesh", model.experts_swiglu, experts_over_mesh)
+    ops.register("mesh", model.top_experts, top_experts_over_mesh)
+
+
+_register()

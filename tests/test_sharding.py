@@ -5,7 +5,9 @@ the devices (`conftest.run_under_mesh_devices`)."""
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,8 @@ EVEN = dict(
     num_hidden_layers=2,
     layer_types=["mamba", "attention"],
 )
-LAYOUTS = ["model=8", "data=2,model=2,expert=2"]  # tensor, and a mix with the batch over data and an expert axis
+# Tensor, expert, data, and a mix with the batch over data and an expert axis.
+LAYOUTS = ["model=8", "expert=8", "data=8", "data=2,model=2,expert=2"]
 PROMPTS = ["The quick brown fox", "a", "State spaces", "hello world", "x y z", "Granite", "1 2 3", "mesh"]
 
 
@@ -49,7 +52,7 @@ TOKENS = np.random.default_rng(0).integers(0, 300, (8, 16))
 
 
 def logits(model) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(TOKENS)))
+    return np.asarray(nnx.jit(lambda m, tokens: m(tokens))(model, jnp.asarray(TOKENS)))  # one program, not op by op
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,82 @@ def test_every_layout_computes_the_single_device_logits(checkpoint, single_devic
 @pytest.fixture(scope="module")
 def single_device_tokens(checkpoint) -> list[list[int]]:
     return [list(r.token_ids) for r in Generator(checkpoint).generate(PROMPTS, max_new_tokens=12, stop_token_ids=[])]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS[1:3])
+def test_greedy_generation_over_each_layout_is_the_single_device_one(
+    checkpoint, single_device_tokens, layout, mesh_devices
+):
+    gen = Generator(checkpoint, mesh=sharding.parse_mesh(layout, mesh_devices))
+    results = gen.generate(PROMPTS, max_new_tokens=12, stop_token_ids=[])
+    assert [list(r.token_ids) for r in results] == single_device_tokens
+
+
+def collectives(layout: str, checkpoint: str, mesh_devices) -> collections.Counter:
+    """{(collective, the op it comes from): operands} in the compiled decode step outside its sampling branch."""
+    gen = Generator(checkpoint, mesh=sharding.parse_mesh(layout, mesh_devices))
+    rows = gen.mesh.shape.get("data", 1)
+    text = gen.steps.compile("decode", {}, rows, 64).as_text()
+    found: collections.Counter = collections.Counter()
+    for line in text.splitlines():
+        op = re.search(r"= (\(.*?\)|\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)\(", line)
+        if op and "cond/branch" not in line:
+            source = re.search(r'op_name="jit\(decode_step\)/(.*?)"', line).group(1)
+            for part in source.strip("()").split(":"):  # a combined all-reduce names each source
+                found[op.group(2), part.split("/")[-1]] += op.group(1).count("[") // max(source.count(":") + 1, 1)
+    return found
+
+
+# Per layer of the one-Mamba, one-attention model, over the model axis (Megatron's one all-reduce a block, plus the
+# norm): the embedding's rows from the vocabulary shards (a masked gather summed: "gather"); in the Mamba layer the
+# gated norm's sum of squares over the heads ("reduce_sum", (b, 1, 1)) and out_proj's partial products
+# ("dot_general"); in the attention layer o_proj's ("dot_general"); in both the shared MLP's output ("dot_general")
+# and the experts' (the mesh backend's "psum", over the expert axis too). XLA combines all-reduces over the same
+# devices into one op, so operands are counted. No all-gather, no permute: the Mamba rows and the SwiGLU's [gate | up]
+# lie in blocks, a device's heads and columns together. Over data only, the rows never meet.
+EXPECTED_COLLECTIVES = {
+    "model=8": {
+        ("all-reduce", "gather"): 1,
+        ("all-reduce", "reduce_sum"): 1,
+        ("all-reduce", "dot_general"): 4,
+        ("all-reduce", "psum"): 2,
+    },
+    "expert=8": {("all-reduce", "psum"): 2},
+    "data=8": {},
+}
+EXPECTED_COLLECTIVES["data=2,model=2,expert=2"] = EXPECTED_COLLECTIVES["model=8"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_decode_step_has_the_expected_collectives_and_no_others(checkpoint, layout, mesh_devices):
+    assert dict(collectives(layout, checkpoint, mesh_devices)) == EXPECTED_COLLECTIVES[layout]
+
+
+def test_a_model_saved_from_its_shards_is_the_checkpoint_it_came_from(
+    checkpoint, single_device_logits, tmp_path, mesh_devices
+):
+    sharded = load_model(checkpoint, mesh=sharding.parse_mesh("data=2,model=4", mesh_devices))
+    assert sharded.layers[0].mamba.blocks == 4
+    saved = save_checkpoint(sharded, tmp_path / "from-shards")  # in transformers' row order, whatever the mesh
+    np.testing.assert_allclose(logits(load_model(saved)), single_device_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_block_orders_put_each_devices_heads_and_columns_together():
+    cfg = released_config("granite-4.0-h-tiny")
+    rows, channels = sharding.mamba_block_order(cfg, 4)
+    d, n, h = cfg.mamba_d_inner, cfg.mamba_d_state, cfg.mamba_n_heads
+    block = rows.reshape(4, -1)[1]  # the second device's rows: [z | x B C | dt] of heads h/4 .. h/2
+    z, x, B, C, dt = np.split(block, np.cumsum([d // 4, d // 4, n, n]))
+    np.testing.assert_array_equal(z, np.arange(d // 4, d // 2))
+    np.testing.assert_array_equal(x, d + np.arange(d // 4, d // 2))
+    np.testing.assert_array_equal(B, 2 * d + np.arange(n))  # the one group, copied into every block
+    np.testing.assert_array_equal(C, 2 * d + n + np.arange(n))
+    np.testing.assert_array_equal(dt, 2 * d + 2 * n + np.arange(h // 4, h // 2))
+    assert set(rows) == set(range(cfg.mamba_in_proj_dim)) and len(channels) == d + 4 * 2 * n
+    w = np.random.default_rng(0).normal(size=(cfg.mamba_in_proj_dim, 3))
+    path = "layers.0.mamba.in_proj.weight"
+    np.testing.assert_array_equal(sharding.from_blocks(cfg, 4, path, sharding.to_blocks(cfg, 4, path, w)), w)
+    np.testing.assert_array_equal(sharding.gate_up_order(4, 2), [0, 1, 4, 5, 2, 3, 6, 7])
 
 
 def test_weights_load_straight_into_their_shards(checkpoint, tmp_path, mesh_devices):

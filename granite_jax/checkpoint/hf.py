@@ -199,31 +199,55 @@ def iter_tensors(files: dict[str, tuple[str, ...] | None]) -> Iterator[tuple[str
             handle = safe_open(path, framework="numpy")
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from None
-        with handle as f:
+        with handle as f:  # the header checked by safetensors; the tensors read from the file's bytes
             present = set(f.keys())
             for name in names if names is not None else f.keys():
                 if name not in present:
                     raise CheckpointError(f"{path}: no tensor {name!r}, though the index assigns it to this file")
                 try:
-                    stored = f.get_slice(name).get_dtype()
-                    tensor = _float8_tensor(path, name) if stored == FLOAT8_STORED else f.get_tensor(name)
+                    tensor = _read_tensor(path, name)
+                except CheckpointError:
+                    raise
                 except Exception as e:
                     raise CheckpointError(f"{path}: tensor {name!r} cannot be read, file truncated? ({e})") from None
                 yield path, name, tensor
 
 
-def _float8_tensor(path: str, name: str) -> np.ndarray:
-    """A float8 (e4m3) tensor read from the file's bytes: the format is an 8-byte little-endian header length, a JSON
-    header giving each tensor's dtype, shape and byte range, then the data."""
+STORED_DTYPES = {  # safetensors' dtype names -> NumPy's (ml_dtypes' for the narrow floats)
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(jax.numpy.bfloat16),
+    FLOAT8_STORED: np.dtype(jax.numpy.float8_e4m3fn),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("?"),
+}
+
+
+def _read_tensor(path: str, name: str) -> np.ndarray:
+    """A tensor read from the file's bytes into memory of its own (the format: an 8-byte little-endian header length,
+    a JSON header giving each tensor's dtype, shape and byte range, then the data). Not through a memory map: the
+    pages of a mapped file count in the process's resident memory until the file is closed, a second copy of a
+    one-file checkpoint by the time its last tensor is read."""
     data_start, header = _safetensors_header(path, os.stat(path).st_mtime_ns)
     entry = header[name]
     begin, end = entry["data_offsets"]
+    dtype = STORED_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has dtype {entry['dtype']}, expected one of {', '.join(SOURCE_DTYPES)}"
+        )
+    tensor = np.empty(entry["shape"], dtype)
     with open(path, "rb") as f:
         f.seek(data_start + begin)
-        data = f.read(end - begin)
-    if len(data) != end - begin:
-        raise ValueError(f"{end - begin} bytes expected, {len(data)} read")
-    return np.frombuffer(data, np.dtype(jax.numpy.float8_e4m3fn)).reshape(entry["shape"])
+        read = f.readinto(memoryview(tensor.reshape(-1).view(np.uint8)))
+    if read != end - begin or tensor.nbytes != end - begin:
+        raise ValueError(f"{end - begin} bytes expected, {read} read")
+    return tensor
 
 
 @functools.lru_cache(maxsize=4)  # parsed once per file, not once per tensor (thousands in a large checkpoint)
@@ -241,11 +265,14 @@ def read_weights(
     expected: dict[str, Any],
     progress: bool,
     placement: dict[str, jax.sharding.Sharding] | None = None,
+    relayout: Callable[[str, np.ndarray], np.ndarray] | None = None,
 ) -> dict[str, jax.Array]:
     """The model's parameters {NNX path: array} from the safetensors `files`, every tensor mapped by `NAME_MAP`,
     checked against `expected` (the abstract model's {path: shape and dtype}) and cast to its parameter's dtype, or
     quantized to float8 with its scales where the parameter is float8 and the tensor is not. `placement`: each
-    parameter's sharding (None: the default device), each tensor placed straight into its shards."""
+    parameter's sharding (None: the default device), each tensor placed straight into its shards. `relayout(path,
+    host array)`: the parameter's layout from the checkpoint's (on the host, before the placement; the Mamba rows'
+    blocks over a mesh, `sharding.to_blocks`), its shape in `expected` being the checkpoint's."""
     values: dict[str, jax.Array] = {}
     source: dict[str, str] = {}
     head = None  # an lm_head.weight beside a tied config: accepted if it equals the embedding, as transformers does
@@ -276,7 +303,10 @@ def read_weights(
                     f"{path}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {want}"
                 )
             where = None if placement is None else placement[target]
-            for placed, value in _placed(path, name, target, transform.apply(tensor), expected, where).items():
+            tensor = transform.apply(tensor)
+            if relayout is not None:
+                tensor = relayout(target, tensor)
+            for placed, value in _placed(path, name, target, tensor, expected, where).items():
                 values[placed], source[placed] = value, name
             bar.update()
     first = next(iter(files))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -39,6 +41,8 @@ def load_model(
     config.json. mesh: place every parameter in its shards over this `jax.sharding.Mesh` (`granite_jax.sharding`) as
     it is read, one tensor at a time: the whole model is never on one device, nor twice in host memory."""
     runtime = runtime or Runtime()
+    if mesh is not None:
+        runtime = runtime.replace(mesh=mesh, kernels=False)
     dtype = dtype_name("dtype", dtype)
     auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
     float8 = _stores_float8(model_dir)
@@ -58,10 +62,13 @@ def load_model(
     else:
         cfg = cfg or hf.load_config(model_dir)
         files = hf.checkpoint_files(model_dir)
-        graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime))
-        expected = hf.flatten(nnx.to_pure_dict(state))
-        placement = None if mesh is None else sharding.parameter_shardings(expected, mesh)
-        values = hf.read_weights(files, expected, progress, placement)
+        blocks = sharding.row_blocks(mesh)
+        graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime, row_blocks=blocks))
+        placement = None if mesh is None else sharding.parameter_shardings(hf.flatten(nnx.to_pure_dict(state)), mesh)
+        stored = state if blocks == 1 else nnx.state(abstract_model(cfg, **kinds))  # transformers' shapes
+        expected = hf.flatten(nnx.to_pure_dict(stored))
+        relayout = functools.partial(sharding.to_blocks, cfg, blocks)
+        values = hf.read_weights(files, expected, progress, placement, relayout)
         nnx.replace_by_pure_dict(state, hf.unflatten(values))
         model = nnx.merge(graphdef, state)
     check_finite(model, model_dir)
@@ -73,10 +80,11 @@ def check_finite(model: Granite, model_dir: str | os.PathLike) -> None:
     that reads such a weight is non-finite, and generation would print nothing rather than fail. One reduction per
     tensor on the device, after the load, so both checkpoint formats are checked alike."""
     flat = hf.flatten(nnx.to_pure_dict(nnx.state(model)))
-    counts = jax.device_get(_nonfinite_counts(list(flat.values())))
-    bad = [(path, int(n)) for path, n in zip(flat, counts) if n]
+    sums = jax.device_get(_nonfinite_sums(list(flat.values())))
+    bad = [path for path, m in zip(flat, sums) if not np.isfinite(m)]
     if bad:
-        path, n = bad[0]
+        path = bad[0]
+        n = int(jnp.sum(~jnp.isfinite(flat[path])))
         more = f"; {len(bad) - 1} more tensor(s) too" if len(bad) > 1 else ""
         raise CheckpointError(
             f"{os.fspath(model_dir)}: tensor {hf.hf_name(path)[0]!r} holds {n} NaN or infinite value(s) of "
@@ -85,8 +93,11 @@ def check_finite(model: Granite, model_dir: str | os.PathLike) -> None:
 
 
 @jax.jit
-def _nonfinite_counts(leaves: list[jax.Array]) -> list[jax.Array]:
-    return [jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves]
+def _nonfinite_sums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """sum(x * 0) of each tensor: NaN exactly when the tensor holds a NaN or an inf (0 * inf is NaN, and IEEE keeps
+    XLA from folding x * 0). A plain fused reduction: XLA:CPU materialises a count's isfinite mask, a second copy of
+    every weight at once, and its max reduction may drop NaNs."""
+    return [jnp.sum(x.astype(jnp.float32) * 0) for x in leaves]
 
 
 def _stores_float8(model_dir: str | os.PathLike) -> bool:

@@ -41,7 +41,15 @@ from granite_jax.config import ModelConfig, read_json_object
 from granite_jax.errors import CheckpointError
 from granite_jax.model import Granite, abstract_model, count_params, is_float8, weight_dtype, with_float8_weights
 from granite_jax.ops import Runtime
-from granite_jax.sharding import parameter_shardings, shard_model
+from granite_jax.sharding import (
+    divides,
+    parameter_shardings,
+    relaid,
+    row_blocks,
+    shard_model,
+    to_blocks,
+    transformers_order,
+)
 
 MARKER = "granite_jax_checkpoint.json"
 PARTIAL_OWNER = ".granite_jax_partial.json"  # in a partial save only: the pid and host of the process writing it
@@ -230,7 +238,7 @@ def _make_partial_dir(out: str) -> str:
 
 
 def _write_state(model: Granite, path: str) -> None:
-    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    state = unflatten(transformers_order(model))  # one layout on disk, whatever the mesh the model ran over
     with _interrupts_deferred(), _quiet_orbax(), _checkpointer() as ck:
         ck.save(path, state)
         ck.wait_until_finished()
@@ -318,11 +326,14 @@ def restore_model(
         wide = jnp.bfloat16 if stored == "bfloat16" else jnp.float32
         wide_model = restore_model(d, dtype=dtype, param_dtype=wide, runtime=runtime, cfg=cfg, mesh=mesh)
         return with_float8_weights(wide_model) if mesh is None else shard_model(with_float8_weights(wide_model), mesh)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime))
-    flat = flatten(nnx.to_pure_dict(state))
-    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    placement = {k: single for k in flat} if mesh is None else parameter_shardings(flat, mesh)
-    target = unflatten({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement[k]) for k, x in flat.items()})
+    kinds = dict(dtype=dtype, param_dtype=param_dtype, runtime=runtime)
+    graphdef, state = nnx.split(abstract_model(cfg, **kinds, row_blocks=row_blocks(mesh)))
+    stored = state if mesh is None else nnx.state(abstract_model(cfg, **kinds))  # transformers' Mamba rows
+    stored_shapes = flatten(nnx.to_pure_dict(stored))
+    placement = _restore_placement(stored_shapes, mesh)
+    target = unflatten(
+        {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement[k]) for k, x in stored_shapes.items()}
+    )
     try:
         with _quiet_orbax(), _abandoned_reads_ignored(), _checkpointer() as ck:
             restored = ck.restore(os.path.join(d, STATE_DIR), target)
@@ -330,8 +341,31 @@ def restore_model(
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = first.split(" See full TensorStore details")[0]  # the rest is a repr of a bound method
         raise CheckpointError(f"{d}: cannot restore the orbax state for this config ({first})") from None
+    if mesh is not None:  # each row block to its device, one tensor at a time (the restored one freed as it goes)
+        flat = flatten(restored)
+        del restored
+        blocked = parameter_shardings(flatten(nnx.to_pure_dict(state)), mesh)
+        for k, sharding in blocked.items():
+            if relaid(k, row_blocks(mesh)):
+                flat[k] = jax.jit(functools.partial(to_blocks, cfg, row_blocks(mesh), k), out_shardings=sharding)(
+                    flat.pop(k)
+                )
+        restored = unflatten(flat)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
+
+
+def _restore_placement(shapes: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[str, jax.sharding.Sharding]:
+    """Where each stored tensor is restored: its shards (`sharding.parameter_shardings`); the Mamba tensors relaid in
+    blocks after the restore keep their split where it divides them, and are whole on each device where not."""
+    if mesh is None:
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return {k: single for k in shapes}
+    placement = parameter_shardings(shapes, mesh)
+    for k, sharding in placement.items():
+        if not divides(shapes[k].shape, sharding):
+            placement[k] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return placement
 
 
 @contextlib.contextmanager

@@ -68,7 +68,7 @@ def mamba_mix(reference, mixer, zxbcdt: Array, token_mask: Array | None, state, 
     the conv ring and the state in place (XLA runs about ten small fusions per layer around the state update)."""
     weights = [mixer.conv_weight, mixer.conv_bias, mixer.dt_bias, mixer.A_log, mixer.D, mixer.norm.weight]
     weights = [w[...] for w in weights if w is not None]
-    if not _takes_mamba_step(zxbcdt, state, weights):
+    if mixer.blocks != 1 or not _takes_mamba_step(zxbcdt, state, weights):  # the kernel reads transformers' order
         return reference(mixer, zxbcdt, token_mask, state, slot)
     b, cfg = zxbcdt.shape[0], mixer.cfg
     mask = jnp.ones((b, 1), jnp.bool_) if token_mask is None else token_mask

@@ -364,7 +364,7 @@ def _runtime_over(mesh: Mesh | None, runtime: Runtime | None, model: Granite | N
     runtime = runtime or (model.runtime if model is not None else Runtime())
     if runtime.ssd == "pallas":
         raise GenerationError("the Pallas SSD does not run over a mesh: use ssd 'xla' (--ssd-impl xla)")
-    return runtime.replace(kernels=False)
+    return runtime.replace(kernels=False, mesh=mesh)
 
 
 def _check_given_model(model: Granite, dtype: Any, weights: Any) -> None:

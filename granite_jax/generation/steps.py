@@ -109,10 +109,11 @@ class Steps:
         # Over a mesh the weights arrive placed (`sharding.shard_model`), the cache is made in its shards, and XLA
         # partitions each step from them.
         layout = {}
+        init = functools.partial(Cache.init, row_blocks=model.row_blocks)
         if mesh is not None:
-            abstract = jax.eval_shape(lambda: Cache.init(model.cfg, 1, 1, model.dtype))
+            abstract = jax.eval_shape(lambda: init(model.cfg, 1, 1, model.dtype))
             layout = dict(out_shardings=sharding.cache_shardings(abstract, mesh))
-        self._cache = jax.jit(Cache.init, static_argnums=(0, 1, 2, 3), **layout)
+        self._cache = jax.jit(init, static_argnums=(0, 1, 2, 3), **layout)
 
     def prefill(self, prepared, cache: Cache, tokens, params: SamplerParams, step):
         return self.jitted["prefill"](self.weights, prepared, cache, tokens, params, step)
