@@ -1,7 +1,7 @@
 """Peak host memory while loading a checkpoint straight into its shards over a mesh, beside loading it onto one
 device, from safetensors and from orbax.
 
-    python benchmarks/sharded_loading.py                          # a random ~150M-parameter hybrid, made here
+    python benchmarks/sharded_loading.py                          # a random ~270M-parameter hybrid, made here
     python benchmarks/sharded_loading.py --model DIR --mesh data=2,model=4 --json OUT.json
 
 Each load runs in a fresh interpreter with 8 simulated CPU devices. Measured there: the resident memory's peak
@@ -24,7 +24,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
-# A hybrid of ~150M parameters (600 MB in float32): big enough that the model dominates the interpreter's own memory.
+# A hybrid of ~270M parameters (1 GB in float32): big enough that the model dominates the interpreter's own memory.
 CONFIG = dict(
     hidden_size=1024,
     num_hidden_layers=8,

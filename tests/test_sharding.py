@@ -38,7 +38,7 @@ LAYOUTS = ["model=8", "expert=8", "data=8", "data=2,model=2,expert=2"]
 PROMPTS = ["The quick brown fox", "a", "State spaces", "hello world", "x y z", "Granite", "1 2 3", "mesh"]
 
 
-@pytest.mark.slow(35)
+@pytest.mark.slow(50)
 def test_under_mesh_devices():
     run_under_mesh_devices(__file__)
 
