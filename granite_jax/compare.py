@@ -102,12 +102,13 @@ def load_pair(
     weight_dtype: str | None = None,
     ssd_impl: str = "xla",
     torch_device: str = "cpu",
+    mesh: str | None = None,
 ) -> Pair:
     """Load `spec` into granite-jax, then the same weights into transformers (see `hf_model`) on `torch_device`, both
-    computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype)."""
+    computing in `dtype`; granite-jax keeps its weights in `weight_dtype` (None: dtype), over `mesh` if given."""
     check_same_weights(dtype, weight_dtype)
     quiet_transformers()
-    model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl)
+    model = spec.load(dtype=dtype, weight_dtype=weight_dtype, ssd_impl=ssd_impl, mesh=mesh)
     hf = hf_model(model, spec.checkpoint, dtype).to(torch_device)
     return Pair(model, hf, dtype, spec.describe(), load_tokenizer(spec.checkpoint) if spec.checkpoint else None)
 
@@ -121,6 +122,7 @@ def load_workload_pair(spec: ModelSpec, workload: Any) -> Pair:
         weight_dtype=workload.weight_dtype,
         ssd_impl=workload.ssd_impl,
         torch_device=resolve_torch_device(workload.torch_device, "workload.torch_device"),
+        mesh=workload.get("mesh"),
     )
 
 
@@ -317,7 +319,7 @@ def greedy(new_tokens: int) -> SamplingConfig:
 
 def make_generator(model: Granite) -> Generator:
     """granite-jax's `Generator` over `model` as it is (its dtype, weights and runtime)."""
-    return Generator(model=model, dtype=str(jnp.dtype(model.dtype)))
+    return Generator(model=model, dtype=str(jnp.dtype(model.dtype)), mesh=model.runtime.mesh)
 
 
 def hf_generate(hf, tokens: np.ndarray, new_tokens: int, streamer=None) -> np.ndarray:

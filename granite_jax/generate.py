@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="AXIS=N,...",
         help="run over a device mesh, e.g. data=2,model=4 (axes: data for the batch, model for heads and columns, "
         "expert for the routed experts; their sizes multiply to the device count). The weights load straight into "
-        "their shards; the prompts must be a multiple of the data axis; platform kernels are off (docs/sharding.md)",
+        "their shards; the prompts must be a multiple of the data axis; the CPU kernels are off (docs/sharding.md)",
     )
     r.add_argument(
         "--ssd-impl",

@@ -1,8 +1,8 @@
 """The "gpu" backend (`Runtime(kernels=True)` on a GPU, or `platform="gpu"` when compiling for one without it): XLA
 formulations that suit a GPU better than the model's plain ones. Plain JAX, so it runs and is tested anywhere.
 
-- `expert_linear` for many rows (`GROUPED_ROWS`: prefill): a grouped product on tensor cores. XLA's GPU compiler
-  turns the plain body's `lax.ragged_dot` into a dense product of every row with every expert (64x the work of
+- `expert_linear` for many rows (prefill, where `grouped_is_faster`): a grouped product on tensor cores. XLA's GPU
+  compiler turns the plain body's `lax.ragged_dot` into a dense product of every row with every expert (64x the work of
   h-tiny's prefill). Here the rows, sorted by expert, are laid out in blocks of `block` rows, each block one expert's
   (a group's last block padded with zero rows), and multiplied block by block with their expert's matrix: one batched
   GEMM, as MegaBlocks' block-sparse products do (Gale et al. 2023). There are at most ceil(R / block) + E blocks, so
@@ -21,11 +21,23 @@ from jax import Array, lax
 from granite_jax import model, ops
 
 MIN_BLOCK, MAX_BLOCK = 16, 512  # rows per block: a tensor-core tile's worth at least, and enough to reuse a weight
-# From this many rows on, the grouped product is the faster. The dense product multiplies every row by all E experts
-# (2·E·R·K·N FLOPs); the grouped one gathers a matrix per block, about 2E blocks, written and read again (~6·2E·K·N
-# bytes of bfloat16). At an H200's 989 TFLOP/s and 4.8 TB/s they cost the same near R = 1,200 (h-tiny's decode at
-# batch 64 routes 384 rows, where the dense product is 1.5x faster; its 512-token prefill, 3,072).
-GROUPED_ROWS = 1024
+BYTES_PER_S, FLOPS_PER_S = 4.8e12, 989e12  # an H200's HBM and dense bfloat16 rates, to choose between products
+
+
+def grouped_is_faster(rows: int, w_shape: tuple[int, int, int], itemsize: int) -> bool:
+    """Whether the grouped product of `rows` rows with experts `w_shape` (E, K, N) is predicted faster than the plain
+    body's `ragged_dot`, which XLA's GPU compiler multiplies densely: every row by all E experts (2 E R K N FLOPs,
+    every matrix read once). The grouped one multiplies ceil(R / block) + E blocks of `block` rows, each with its
+    expert's matrix gathered, written and read again (3 passes over blocks x K x N). Each costs the larger of its
+    bytes and FLOPs at an H200's rates: h-tiny's and h-small's decode at batch 64 (384 and 640 rows, 6 and 9 an
+    expert) stay dense, their prefills of 512 tokens and more are grouped. (Reading each expert's matrix once, as a
+    grouped GEMM kernel would, beats both at decode: not written yet.)"""
+    E, K, N = w_shape
+    block = block_rows(rows, E)
+    blocks = -(-rows // block) + E
+    dense = max(2.0 * E * rows * K * N / FLOPS_PER_S, (E * K * N + rows * (K + N)) * itemsize / BYTES_PER_S)
+    grouped = max(2.0 * blocks * block * K * N / FLOPS_PER_S, 3.0 * blocks * K * N * itemsize / BYTES_PER_S)
+    return grouped < dense
 
 
 def block_rows(rows: int, experts: int) -> int:
@@ -77,8 +89,8 @@ def _scaled_linear(reference, x: Array, w: Array, scale: Array) -> Array:
 
 
 def _expert_linear(reference, x: Array, w: Array, experts: Array) -> Array:
-    if x.shape[0] < GROUPED_ROWS:  # the plain body: the chosen experts gathered (decoding), or a dense product
-        return reference(x, w, experts)
+    if x.shape[0] <= model.GATHER_ROWS or not grouped_is_faster(x.shape[0], w.shape, jnp.dtype(x.dtype).itemsize):
+        return reference(x, w, experts)  # the chosen experts gathered (decoding), or the dense product
     return grouped_expert_linear(x, w, experts)
 
 

@@ -38,6 +38,9 @@ BACKENDS = {  # name -> module
     "mesh": "granite_jax.sharding",
 }
 PLATFORM_KERNELS = {"cpu": "cpu", "gpu": "gpu"}  # a JAX platform -> the backend `Runtime.kernels` turns on there
+# Platform backends written in plain JAX, which XLA's partitioner splits like the model: they run over a mesh too.
+# (The CPU kernels are custom calls, which it cannot split: it would gather their operands whole onto each device.)
+PARTITIONABLE = ("gpu",)
 
 Prepared = dict[str, dict[str, jax.Array]]  # backend -> {parameter path: array derived from that parameter}
 
@@ -54,8 +57,8 @@ class Runtime:
     2-16 rows, as much memory again as those weights). None: when they fit in half the free memory.
     platform: the JAX platform ("cpu", "gpu") the program is for, whose kernel backend `kernels` turns on. None: JAX's
     default backend; set it to compile for another, as for an H200 from a machine without one.
-    mesh: the `jax.sharding.Mesh` the weights are placed over (`granite_jax.sharding`), whose backend runs the experts
-    on the devices holding them; the platform kernels are off over one (XLA cannot partition a custom call).
+    mesh: the `jax.sharding.Mesh` the weights are placed over (`granite_jax.sharding`), whose backend runs the
+    embedding and the experts on the devices holding them; over one only the platform backends in PARTITIONABLE run.
     """
 
     ssd: str = "xla"
@@ -83,9 +86,9 @@ class Runtime:
     def backends(self) -> tuple[str, ...]:
         """The backends consulted, first to last."""
         ssd = () if self.ssd == "xla" else (self.ssd,)
-        if self.mesh is not None:
-            return (*ssd, "mesh")
         platform = PLATFORM_KERNELS.get(self.platform or jax.default_backend()) if self.kernels else None
+        if self.mesh is not None:
+            return (*ssd, "mesh") + ((platform,) if platform in PARTITIONABLE else ())
         return ssd + ((platform,) if platform else ())
 
 

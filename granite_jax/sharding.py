@@ -2,8 +2,8 @@
 axis.
 
 A mesh has up to three named axes: "data" (the batch: the rows of the tokens and of every cache), "model" (tensor
-parallelism: attention heads, Mamba heads, FFN and vocabulary columns) and "expert" (the routed experts; without it
-they go over "model"). A size-1 axis may be left out. The layout (Megatron-style, Shoeybi et al. 2019) splits a
+parallelism: attention heads, Mamba heads, FFN, expert and vocabulary columns) and "expert" (the routed experts). A
+size-1 axis may be left out. The layout (Megatron-style, Shoeybi et al. 2019) splits a
 block's first product by output columns and its second by input rows, so each block ends in one all-reduce:
 
 - attention: q, k, v by heads (rows of (heads * head_dim, H)), o_proj by its input columns; the KV cache by kv head;
@@ -13,8 +13,10 @@ block's first product by output columns and its second by input rows, so each bl
   of the device's heads and the B and C rows of the groups they read (Granite's one group is copied into every
   block), so every device runs its heads from its own rows and the mixer needs no collective until the gated norm's
   statistic (one all-reduce of a (b, T, 1) sum) and out_proj's partial sums;
-- FFN: the shared MLP's [gate | up] by rows and its output by columns; the experts by expert over "expert", and each
-  expert's columns (then rows) over "model"; without an "expert" axis, the experts over "model";
+- FFN: the shared MLP's [gate | up] by rows and its output by columns, each expert's likewise over "model" (as
+  vLLM's tensor-parallel MoE splits them: every device holds a slice of every expert, so a token's chosen experts are
+  read a slice on each device, and every device has the same rows to multiply), and the experts themselves over
+  "expert" when the mesh has one;
 - the embedding (and the tied head) by vocabulary rows; norms and the router whole.
 
 The arrays are placed with these shardings and XLA's SPMD partitioner (GSPMD) derives the collectives, so every
@@ -87,7 +89,7 @@ def parse_mesh(text: str, devices: list | None = None) -> Mesh:
 
 def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     """InputError naming the mesh axis and the sizes when `mesh` does not divide what the layout splits over it."""
-    model, expert = _size(mesh, "model"), _size(mesh, "expert") or _size(mesh, "model")
+    model, expert = _size(mesh, "model"), _size(mesh, "expert")
     splits = [("model", model, "vocabulary", cfg.vocab_size)]
     if "attention" in cfg.layer_types:
         splits += [
@@ -103,7 +105,7 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
             )
     splits.append(("model", model, "shared MLP width", cfg.shared_intermediate_size))
     if cfg.num_local_experts:
-        splits.append(("expert" if _size(mesh, "expert") else "model", expert, "experts", cfg.num_local_experts))
+        splits.append(("expert", expert, "experts", cfg.num_local_experts))
         splits.append(("model", model, "expert width", cfg.intermediate_size))  # [gate | up] in blocks
     for axis, size, what, count in splits:
         if size and count % size:
@@ -128,9 +130,7 @@ def parameter_spec(path: str, ndim: int, mesh: Mesh) -> P:
 
 
 def _mesh_axis(axis: str | None, mesh: Mesh) -> str | None:
-    """The mesh axis a layout axis lands on: "expert" falls back to "model"; an axis the mesh lacks, to none."""
-    if axis == "expert" and "expert" not in mesh.shape:
-        axis = "model"
+    """The mesh axis a layout axis lands on: none where the mesh lacks it."""
     return axis if axis in mesh.shape else None
 
 
@@ -203,11 +203,31 @@ def relaid(path: str, blocks: int) -> bool:
     return blocks > 1 and any(re.fullmatch(_L + pattern, path) for pattern in _BLOCKED)
 
 
-def _block_index(path: str, cfg: ModelConfig, blocks: int) -> tuple[np.ndarray, int] | None:
-    for pattern, (order, axis) in _BLOCKED.items():
+def _block_index(path: str, cfg: ModelConfig | None, blocks: int, order: bool = True):
+    """(the order of `blocks` blocks, the axis it indexes) of parameter `path`, None if blocks do not reorder it; only
+    the axis without `order`."""
+    for pattern, (blocked, axis) in _BLOCKED.items():
         if blocks > 1 and re.fullmatch(_L + pattern, path):
-            return order(cfg, blocks), axis
+            return (blocked(cfg, blocks), axis) if order else axis
     return None
+
+
+def relayout_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Where a tensor `to_blocks` reorders is put before it is reordered: its own spec with the model axis moved off
+    the reordered dimension onto another it divides (None where none), so that each device reorders its slice alone
+    and one all-to-all then takes the blocks to their devices (reordering a split dimension in place gathers the
+    whole tensor onto every device)."""
+    spec = list(parameter_spec(path, len(shape), mesh)) + [None] * len(shape)
+    spec = spec[: len(shape)]
+    index = _block_index(path, None, row_blocks(mesh), order=False)
+    model = _mesh_axis("model", mesh)
+    if index is None or model is None or spec[index] != model:
+        return P(*spec)
+    spec[index] = None
+    free = [i for i, axis in enumerate(spec) if axis is None and i != index and shape[i] % mesh.shape[model] == 0]
+    if free:
+        spec[max(free, key=lambda i: shape[i])] = model
+    return P(*spec)
 
 
 def divides(shape: tuple[int, ...], sharding: NamedSharding) -> bool:
@@ -259,7 +279,7 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
     source = transformers_order(model)
     stored = weight_dtype(model)  # the parameters' structure: float8 matrices come with scales
     param_dtype = FLOAT8 if stored == "float8" else stored if isinstance(stored, str) else model.dtype
-    runtime = model.runtime.replace(mesh=mesh, kernels=False)
+    runtime = model.runtime.replace(mesh=mesh)
     kinds = dict(dtype=model.dtype, param_dtype=param_dtype, runtime=runtime, row_blocks=blocks)
     graphdef, state = nnx.split(abstract_model(model.cfg, **kinds))
     flat = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
@@ -274,20 +294,19 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
 
 
 def experts_over_mesh(reference, rows, experts, w_in, w_out, in_scale, out_scale, *, blocks: int = 1):
-    """`model.experts_swiglu` with each device running its own experts (`jax.shard_map`): a row's expert product is
-    computed where the expert's weights are, the other devices give zeros for it, and one all-reduce of the (R, H)
-    outputs sums them. Left to the partitioner, gathering the chosen experts' matrices from their shards all-reduces
-    the gathered weights themselves, (R, H, 2F) a product."""
+    """`model.experts_swiglu` on the devices holding the weights (`jax.shard_map`): each multiplies every row by its
+    slice of the row's expert (the "model" axis), where it holds that expert (the "expert" axis; the others give
+    zeros), and one all-reduce of the (R, H) outputs sums the slices and the experts. Left to the partitioner,
+    gathering the chosen experts' matrices from their shards all-reduces the gathered weights themselves."""
     mesh = _current_mesh()
-    spread = "expert" if "expert" in mesh.shape else "model"  # the axis the experts are over
-    if spread not in mesh.shape:
+    spread, width = _mesh_axis("expert", mesh), _mesh_axis("model", mesh)  # experts, and each expert's columns
+    if spread is None and width is None:
         return reference(rows, experts, w_in, w_out, in_scale, out_scale, blocks=blocks)
-    width = "model" if spread == "expert" and "model" in mesh.shape else None  # each expert's columns
     data = _mesh_axis("data", mesh)
     scale_spec = lambda s, spec: None if s is None else spec  # noqa: E731
 
     def local(rows, experts, w_in, w_out, in_scale, out_scale):
-        first = lax.axis_index(spread) * w_in.shape[0]
+        first = 0 if spread is None else lax.axis_index(spread) * w_in.shape[0]
         mine = (experts >= first) & (experts < first + w_in.shape[0])
         ids = jnp.where(mine, experts - first, 0)
         y = reference(rows, ids, w_in, w_out, in_scale, out_scale, blocks=1 if width else blocks)
@@ -316,6 +335,30 @@ def top_experts_over_mesh(reference, logits, k: int):
     return run(logits)
 
 
+def embedding_rows_over_mesh(reference, table, ids):
+    """`model.embedding_rows` from a vocabulary-sharded table (Megatron's vocabulary-parallel embedding): each device
+    looks up the ids its rows hold, zeros for the others, and one all-reduce sums them. Left to the partitioner, a
+    decode step's one-row lookup becomes a dynamic slice, for which XLA's GPU compiler all-gathers the whole table."""
+    mesh = _current_mesh()
+    vocab, data = _mesh_axis("model", mesh), _mesh_axis("data", mesh)
+    if vocab is None:
+        return reference(table, ids)
+
+    def local(table, ids):
+        first = lax.axis_index(vocab) * table.shape[0]
+        mine = (ids >= first) & (ids < first + table.shape[0])
+        rows = reference(table, jnp.where(mine, ids - first, 0))
+        known = (ids >= 0) & (ids < table.shape[0] * mesh.shape[vocab])  # the others' rows NaN, as one device's
+        other = jnp.where(known, 0.0, jnp.nan).astype(rows.dtype)[..., None]
+        return lax.psum(jnp.where(mine[..., None], rows, other), vocab)
+
+    ids_spec = P(data, *([None] * (ids.ndim - 1)))
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(vocab, None), ids_spec), out_specs=P(*ids_spec, None), check_vma=False
+    )
+    return run(table, ids)
+
+
 def _current_mesh() -> Mesh:
     from granite_jax import ops
 
@@ -327,6 +370,7 @@ def _register() -> None:
 
     ops.register("mesh", model.experts_swiglu, experts_over_mesh)
     ops.register("mesh", model.top_experts, top_experts_over_mesh)
+    ops.register("mesh", model.embedding_rows, embedding_rows_over_mesh)
 
 
 _register()

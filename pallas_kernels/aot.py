@@ -92,21 +92,26 @@ class AotUnavailableError(RuntimeError):
     """The CUDA PJRT plugin needed for deviceless compilation is not installed."""
 
 
-@functools.cache
 def gpu_device(gpu: str = "h200") -> Any:
     """A compile-only CUDA device for `gpu` ("h100", "h200" or "a100")."""
+    return gpu_devices(1, gpu)[0]
+
+
+@functools.cache
+def gpu_devices(count: int, gpu: str = "h200") -> list[Any]:
+    """`count` compile-only CUDA devices of one host (a mesh of them compiles SPMD programs with their collectives)."""
     from jax._src import xla_bridge
 
     if shutil.which("ptxas") is None:
         raise AotUnavailableError("deviceless CUDA compilation needs ptxas (the CUDA toolkit's assembler) on PATH")
     try:
-        topology = xla_bridge.make_pjrt_topology("cuda", "", topology="1x1x1", target_config=TARGETS[gpu])
+        topology = xla_bridge.make_pjrt_topology("cuda", "", topology=f"1x1x{count}", target_config=TARGETS[gpu])
     except (RuntimeError, ValueError, KeyError) as e:
         raise AotUnavailableError(
             f"deviceless CUDA compilation is unavailable ({type(e).__name__}: {e}); it needs the jax-cuda12-pjrt "
             "and jax-cuda12-plugin packages matching the installed jax"
         ) from None
-    return topology._make_compile_only_devices()[0]
+    return list(topology._make_compile_only_devices())
 
 
 def compile_for_gpu(fn, *args, gpu: str = "h200"):
@@ -119,15 +124,20 @@ def compile_for_gpu(fn, *args, gpu: str = "h200"):
 
 
 def lower_for_gpu(fn, args, gpu: str = "h200", donate_argnums: tuple[int, ...] = ()):
-    """`fn(*args)` jitted and lowered for `gpu`, its arguments placed on the compile-only device (for
-    `pallas_kernels.executable.launches`). `donate_argnums` as for `jax.jit`: without the donation a caller makes, XLA
-    copies the buffers it would update in place."""
+    """`fn(*args)` jitted and lowered for `gpu`, its arguments placed on the compile-only device, or kept over the mesh
+    of compile-only devices their shardings name (for `pallas_kernels.executable.launches`). `donate_argnums` as for
+    `jax.jit`: without the donation a caller makes, XLA copies the buffers it would update in place."""
     return jax.jit(fn, donate_argnums=donate_argnums).trace(*_placed(args, gpu)).lower(lowering_platforms=("cuda",))
 
 
 def _placed(args, gpu: str):
-    sharding = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), args)
+    single = jax.sharding.SingleDeviceSharding(gpu_device(gpu))
+
+    def place(a):
+        keep = isinstance(getattr(a, "sharding", None), jax.sharding.NamedSharding)
+        return a if keep else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single)
+
+    return jax.tree.map(place, args)
 
 
 # ---------------------------------------------------------------------------------------------- static report

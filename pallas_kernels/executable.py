@@ -31,6 +31,8 @@ import jax
 H200_BYTES_PER_S = 4.8e12  # HBM3e
 H200_FLOPS_PER_S = 989e12  # dense bfloat16 tensor-core peak (SXM)
 LAUNCH_S = 4e-6  # host cost of one kernel launch outside a CUDA graph (cudaLaunchKernel and the gap it leaves)
+NVLINK_BYTES_PER_S = 900e9  # H200 SXM: NVLink 4, 18 links
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _ITEM_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}  # fmt: skip
@@ -47,11 +49,27 @@ class Launch:
     trips_known: bool = True  # False: inside a loop whose trip count XLA does not know (counted once)
     flops_known: bool = True  # False: a Pallas call, whose FLOPs XLA cannot see
     source: str = ""  # the JAX operation it came from (XLA's op_name: the jitted function's path to it)
+    devices: int = 1  # a collective's group: the devices each of its groups spans
 
     def seconds(self, bytes_per_s: float = H200_BYTES_PER_S, flops_per_s: float = H200_FLOPS_PER_S) -> float:
-        """Predicted time of all its launches: each bound by bytes or FLOPs, plus a launch cost outside a graph."""
-        one = max(self.bytes / bytes_per_s, self.flops / flops_per_s)
+        """Predicted time of all its launches: each bound by bytes or FLOPs, plus a launch cost outside a graph; a
+        collective by the bytes it sends over NVLink (`link_bytes`)."""
+        if self.kind == "collective":
+            one = self.link_bytes() / NVLINK_BYTES_PER_S
+        else:
+            one = max(self.bytes / bytes_per_s, self.flops / flops_per_s)
         return self.count * (one + (0.0 if self.graphed else LAUNCH_S))
+
+    def link_bytes(self) -> float:
+        """Bytes a collective sends through each device's links: a ring all-reduce of S bytes over n devices sends
+        2 (n-1)/n S (reduce-scatter, then all-gather); an all-gather, reduce-scatter or all-to-all (n-1)/n of its
+        whole; a permute its payload."""
+        n = self.devices
+        if self.kind != "collective" or n <= 1:
+            return 0.0
+        if self.name.startswith("all-reduce"):
+            return 2.0 * (n - 1) / n * self.bytes
+        return self.bytes if self.name.startswith("collective-permute") else (n - 1) / n * self.bytes
 
 
 def launches(lowered, compiler_options: dict[str, Any] | None = None) -> list[Launch]:
@@ -69,7 +87,7 @@ def launches(lowered, compiler_options: dict[str, Any] | None = None) -> list[La
 
 def summary(items: list[Launch]) -> dict[str, Any]:
     """Totals of a run: kernels launched (copies apart), how many outside graphs, bytes, FLOPs, predicted seconds."""
-    kernels = [k for k in items if k.kind != "copy"]
+    kernels = [k for k in items if k.kind not in ("copy", "wait")]
     return dict(
         kernels=sum(k.count for k in kernels),
         kernels_outside_graphs=sum(k.count for k in kernels if not k.graphed),
@@ -77,6 +95,9 @@ def summary(items: list[Launch]) -> dict[str, Any]:
         bytes=sum(k.count * k.bytes for k in items),
         flops=sum(k.count * k.flops for k in items),
         predicted_s=sum(k.seconds() for k in items),
+        collectives=sum(k.count for k in items if k.kind == "collective"),
+        collective_bytes=sum(k.count * k.link_bytes() for k in items),
+        collective_s=sum(k.seconds() for k in items if k.kind == "collective"),
         unknown_trip_counts=sum(not k.trips_known for k in items),
         pallas_calls=sum(k.count for k in items if k.kind == "pallas"),
     )
@@ -144,7 +165,27 @@ class _Hlo:
             return "pallas", io_bytes, 0.0, False
         if opcode == "copy":
             return "copy", 2.0 * shape_bytes(shape), 0.0, True
+        if opcode.removesuffix("-start") in COLLECTIVES:  # its payload: what it reduces, gathers or sends
+            payload = sum(shape_bytes(self.instructions[o][0]) for o in operands)
+            return "collective", payload, 0.0, True
+        if opcode.endswith("-done"):  # waits for its start: no kernel of its own
+            return "wait", 0.0, 0.0, True
         return "kernel", io_bytes, 0.0, False
+
+    def group_size(self, name: str) -> int:
+        """The devices each group of collective `name` spans: `{{0,1},{2,3}}`, `[groups,size]<=[...]`, or
+        `mesh[...] {axes}` (the named axes' sizes multiplied)."""
+        attrs = self.instructions[name][3]
+        if m := re.search(r"replica_groups=\{\{([\d,]*)\}", attrs):
+            return len(m.group(1).split(","))
+        if m := re.search(r"replica_groups=\[\d+,(\d+)\]", attrs):
+            return int(m.group(1))
+        if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+            sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+            return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+        if m := re.search(r"source_target_pairs=\{(.*?)\}\}", attrs):
+            return 2
+        return 1
 
     def _fusion_cost(self, shape: str, kind: str, calls: str) -> dict[str, float]:
         """XLA's cost analysis of a module holding only this fusion, its parameters as the module's."""
@@ -256,7 +297,10 @@ class _Walk:
         if name not in self.hlo.instructions:  # no cost to read: counted as a launch of unknown size
             return Launch(name or t.kind, "kernel", graphed, count, 0.0, 0.0, known, False)
         kind, nbytes, flops, flops_known = self.hlo.cost(name)
+        if t.kind.endswith("Done"):  # a collective's wait, annotated with its start's instruction
+            kind, nbytes, flops = "wait", 0.0, 0.0
+        devices = self.hlo.group_size(name) if kind == "collective" else 1
         if kind == "pallas" and (kernel := re.search(r"\]\s*(\S+)", t.text)):
             name = kernel.group(1)  # the Triton kernel's name, which a profiler shows
         source = self.hlo.sources.get(self.annotations.get(t.id, ""), "")
-        return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known, source)
+        return Launch(name, kind, graphed, count, float(nbytes), float(flops), known, flops_known, source, devices)

@@ -31,6 +31,8 @@ PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optio
             "memory_saving.py",
             "float8_accuracy.py",
             "first_token.py",
+            "mesh_plan.py",
+            "sharded_loading.py",
         )
     },
     "gpu_report.py": "benchmarks/gpu_report.py",
@@ -60,6 +62,8 @@ FLAGS = {
     "memory_saving.py": "--shape --capacity --sessions --contexts --dtype --json --png",
     "float8_accuracy.py": "--model --prompts --prompt-len --new-tokens --json",
     "first_token.py": "--model --prompt --max-new-tokens --runs --json",
+    "mesh_plan.py": "--shape --devices --steps --cache-len --json",
+    "sharded_loading.py": "--model --mesh --json",
 }
 
 # (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
@@ -106,6 +110,11 @@ BAD = [
     ("float8_accuracy.py", ["--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
     ("float8_accuracy.py", ["--json", "{dir}"], "is a directory"),
     ("first_token.py", ["--runs", "0"], "argument --runs: must be >= 1, got 0"),
+    ("mesh_plan.py", ["--devices", "2,9"], "--devices '2,9': expected comma-separated sizes from 1 to 8"),
+    ("mesh_plan.py", ["--steps", "decode-b2"], "--steps: unknown step 'decode-b2'; expected some of decode-b1,"),
+    ("mesh_plan.py", ["--json", "{dir}"], "is a directory"),
+    ("sharded_loading.py", ["--model", "{missing}"], "model directory not found"),
+    ("sharded_loading.py", ["--json", "{dir}"], "is a directory"),
 ]
 
 FIRST_BAD = {script: (args, message) for script, args, message in reversed(BAD)}  # each script's first case

@@ -42,25 +42,38 @@ def test_blocks_are_a_power_of_two_near_the_rows_per_expert():
     assert gpu.block_rows(100, 2) == 64
 
 
-def test_the_gpu_platform_runs_the_grouped_product_for_many_rows():
+def test_the_grouped_product_is_chosen_where_it_is_predicted_faster():
+    tiny, small = (64, 1536, 1024), (72, 4096, 1536)  # h-tiny's and h-small's [gate | up] experts (E, H, 2F)
+    assert not gpu.grouped_is_faster(384, tiny, 2)  # h-tiny decode, batch 64: 6 experts a token, dense
+    assert gpu.grouped_is_faster(3072, tiny, 2)  # h-tiny prefill of 512 tokens
+    # h-small decode at batch 64: 640 rows, 9 an expert; gathering 112 blocks' matrices costs more than the FLOPs
+    assert not gpu.grouped_is_faster(640, small, 2) and gpu.grouped_is_faster(8192, small, 2)
+
+
+def test_the_gpu_platform_runs_the_grouped_product_where_it_is_faster():
     rng = np.random.default_rng(1)
-    w = jnp.asarray(rng.standard_normal((8, 16, 8)), jnp.float32)
-    for rows in (GATHER_ROWS, 3 * GATHER_ROWS, gpu.GROUPED_ROWS):
-        x, e = jnp.asarray(rng.standard_normal((rows, 16)), jnp.float32), jnp.asarray(rng.integers(0, 8, rows))
+    w = jnp.asarray(rng.standard_normal((64, 64, 32)), jnp.float32)
+    chosen = []
+    for rows in (GATHER_ROWS, 3 * GATHER_ROWS, 4096):
+        x, e = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32), jnp.asarray(rng.integers(0, 64, rows))
         plain = jax.jit(ops.under(Runtime(kernels=False), expert_linear)).lower(x, w, e).as_text()
         for_gpu = jax.jit(ops.under(Runtime(platform="gpu"), expert_linear)).lower(x, w, e).as_text()
-        assert (for_gpu == plain) == (rows < gpu.GROUPED_ROWS)  # fewer: the plain gather or dense product
+        grouped = rows > GATHER_ROWS and gpu.grouped_is_faster(rows, w.shape, 4)
+        assert (for_gpu != plain) == grouped  # otherwise the plain gather or dense product
+        chosen.append(grouped)
+    assert chosen == [False, False, True]  # both kinds tried
 
 
 def test_the_model_for_a_gpu_computes_the_plain_models_logits(tiny_checkpoint):
-    # A prefill with GROUPED_ROWS routed rows takes the grouped product under the gpu platform's runtime.
+    # A prefill of many routed rows takes the grouped product under the gpu platform's runtime.
     from granite_jax.checkpoint import load_model
     from granite_jax.model import with_runtime
 
     plain = load_model(tiny_checkpoint, runtime=Runtime(kernels=False))
     for_gpu = with_runtime(plain, Runtime(platform="gpu"))
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 300, (2, 256)))
-    assert ids.size * plain.cfg.num_experts_per_tok >= gpu.GROUPED_ROWS
+    rows, E, H = ids.size * plain.cfg.num_experts_per_tok, plain.cfg.num_local_experts, plain.cfg.hidden_size
+    assert gpu.grouped_is_faster(rows, (E, H, 2 * plain.cfg.intermediate_size), 4)
     forward = jax.jit(lambda model, ids: model.forward(ids)[0])
     expected, got = np.asarray(forward(plain, ids)), np.asarray(forward(for_gpu, ids))
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -92,3 +92,58 @@ def test_a_cublas_gemm_is_charged_its_products_and_operands(h200_target):
                         options={"xla_gpu_enable_triton_gemm": False})  # fmt: skip
     assert [(k.kind, k.flops) for k in items] == [("gemm", 2 * 256 * 512 * 1024)], items
     assert items[0].bytes == (256 * 512 + 512 * 1024) * 2 + 256 * 1024 * 4  # operands and result, not the workspace
+
+
+def gpu_mesh(devices: int):
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    from pallas_kernels import aot
+
+    return Mesh(np.asarray(aot.gpu_devices(devices)), ("model",), axis_types=(AxisType.Auto,))
+
+
+@pytest.mark.aot
+def test_a_collective_sends_its_ring_share_over_nvlink(h200_target):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import executable
+
+    mesh = gpu_mesh(4)
+    x = S((8, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "model")))
+    w = S((1024, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P("model", None)))
+    items = launches_of(lambda x, w: jnp.dot(x, w), x, w)  # contracted over the split: partial sums, all-reduced
+    reduces = [k for k in items if k.kind == "collective"]
+    assert len(reduces) == 1 and reduces[0].devices == 4, items
+    assert reduces[0].bytes == 8 * 2048 * 2  # the payload: the (8, 2048) partial product
+    assert reduces[0].link_bytes() == 2 * 3 / 4 * reduces[0].bytes  # ring all-reduce: reduce-scatter, all-gather
+    totals = executable.summary(items)
+    assert totals["collectives"] == 1 and totals["collective_bytes"] == reduces[0].link_bytes()
+    assert totals["collective_s"] == pytest.approx(reduces[0].seconds())
+    assert reduces[0].seconds() >= reduces[0].link_bytes() / executable.NVLINK_BYTES_PER_S
+    gemm = next(k for k in items if k.kind == "gemm")
+    assert gemm.flops == 2 * 8 * 256 * 2048  # each device multiplies its quarter of the contraction
+
+
+@pytest.mark.aot
+def test_the_generators_decode_step_over_gpus_all_reduces_once_a_block(h200_target):
+    """The sharded decode step compiled for two H200s: the collectives of docs/sharding.md's table (the embedding's,
+    the Mamba layer's norm statistic, out_proj, shared MLP and experts), no gather of a weight."""
+    from granite_jax.config import ModelConfig
+    from granite_jax.generation.steps import abstract_steps
+    from granite_jax.ops import Runtime
+    from granite_jax.testing import TINY_CONFIG
+    from pallas_kernels import aot, executable
+
+    cfg = ModelConfig.from_hf_dict({**TINY_CONFIG, "layer_types": ["mamba"], "num_hidden_layers": 1})
+    kw = dict(dtype=jnp.bfloat16, weight_dtype=jnp.bfloat16, runtime=Runtime(platform="gpu"), mesh=gpu_mesh(2))
+    fn, args = abstract_steps(cfg, batch=1, prompt_len=1, cache_len=64, **kw)["decode"]
+    with pallas_kernels.cuda_lowering():
+        items = executable.launches(aot.lower_for_gpu(fn, args, donate_argnums=(2,)))
+    collectives = [k for k in items if k.kind == "collective"]
+    assert all(k.name.startswith("all-reduce") and k.devices == 2 for k in collectives), collectives
+    # Each carries activations, (1, H) rows at most, never a weight matrix; XLA may combine two into one op.
+    assert max(k.bytes for k in collectives) <= 2 * 4 * cfg.hidden_size, collectives
+    step = [k for k in collectives if "cond/branch" not in k.source]  # greedy sampling's argmax apart
+    assert 4 <= sum(k.count for k in step) <= 5, collectives

@@ -412,8 +412,11 @@ def hf_name(path: str) -> tuple[str, Transform]:
 
 def hf_tensors(model: nnx.Module) -> dict[str, Any]:
     """The model's parameters as float32 numpy arrays under their Hugging Face checkpoint names and layouts; float8
-    matrices dequantized (q times its channels' scales), which is what they mean to transformers' model."""
-    flat = flatten(nnx.to_pure_dict(nnx.state(model)))
+    matrices dequantized (q times its channels' scales), which is what they mean to transformers' model; rows laid
+    out in a mesh's blocks put back in transformers' order."""
+    from granite_jax.sharding import transformers_order
+
+    flat = transformers_order(model)
     out = {}
     for path, value in flat.items():
         if path.endswith(SCALE_SUFFIX):

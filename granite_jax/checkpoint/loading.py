@@ -42,7 +42,7 @@ def load_model(
     it is read, one tensor at a time: the whole model is never on one device, nor twice in host memory."""
     runtime = runtime or Runtime()
     if mesh is not None:
-        runtime = runtime.replace(mesh=mesh, kernels=False)
+        runtime = runtime.replace(mesh=mesh)
     dtype = dtype_name("dtype", dtype)
     auto = isinstance(weight_dtype, str) and weight_dtype == AUTO
     float8 = _stores_float8(model_dir)
@@ -80,11 +80,11 @@ def check_finite(model: Granite, model_dir: str | os.PathLike) -> None:
     that reads such a weight is non-finite, and generation would print nothing rather than fail. One reduction per
     tensor on the device, after the load, so both checkpoint formats are checked alike."""
     flat = hf.flatten(nnx.to_pure_dict(nnx.state(model)))
-    sums = jax.device_get(_nonfinite_sums(list(flat.values())))
-    bad = [path for path, m in zip(flat, sums) if not np.isfinite(m)]
+    sums = jax.device_get(_magnitude_sums(list(flat.values())))
+    counts = {path: int(jnp.sum(~jnp.isfinite(flat[path]))) for path, m in zip(flat, sums) if not np.isfinite(m)}
+    bad = [(path, n) for path, n in counts.items() if n]  # a finite sum past float32's range is not a bad weight
     if bad:
-        path = bad[0]
-        n = int(jnp.sum(~jnp.isfinite(flat[path])))
+        path, n = bad[0]
         more = f"; {len(bad) - 1} more tensor(s) too" if len(bad) > 1 else ""
         raise CheckpointError(
             f"{os.fspath(model_dir)}: tensor {hf.hf_name(path)[0]!r} holds {n} NaN or infinite value(s) of "
@@ -93,11 +93,11 @@ def check_finite(model: Granite, model_dir: str | os.PathLike) -> None:
 
 
 @jax.jit
-def _nonfinite_sums(leaves: list[jax.Array]) -> list[jax.Array]:
-    """sum(x * 0) of each tensor: NaN exactly when the tensor holds a NaN or an inf (0 * inf is NaN, and IEEE keeps
-    XLA from folding x * 0). A plain fused reduction: XLA:CPU materialises a count's isfinite mask, a second copy of
-    every weight at once, and its max reduction may drop NaNs."""
-    return [jnp.sum(x.astype(jnp.float32) * 0) for x in leaves]
+def _magnitude_sums(leaves: list[jax.Array]) -> list[jax.Array]:
+    """sum |x| of each tensor in float32: not finite when the tensor holds a NaN or an inf (then counted). A plain
+    fused reduction: XLA:CPU materialises a count's isfinite mask, a second copy of every weight at once, and its max
+    reduction may drop NaNs."""
+    return [jnp.sum(jnp.abs(x.astype(jnp.float32))) for x in leaves]
 
 
 def _stores_float8(model_dir: str | os.PathLike) -> bool:

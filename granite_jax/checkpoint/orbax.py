@@ -45,6 +45,7 @@ from granite_jax.sharding import (
     divides,
     parameter_shardings,
     relaid,
+    relayout_spec,
     row_blocks,
     shard_model,
     to_blocks,
@@ -356,14 +357,17 @@ def restore_model(
 
 
 def _restore_placement(shapes: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[str, jax.sharding.Sharding]:
-    """Where each stored tensor is restored: its shards (`sharding.parameter_shardings`); the Mamba tensors relaid in
-    blocks after the restore keep their split where it divides them, and are whole on each device where not."""
+    """Where each stored tensor is restored: its shards (`sharding.parameter_shardings`); a tensor laid out in blocks
+    after the restore, split where its reordering is local (`sharding.relayout_spec`), and whole on each device where
+    that split would not divide it."""
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return {k: single for k in shapes}
     placement = parameter_shardings(shapes, mesh)
-    for k, sharding in placement.items():
-        if not divides(shapes[k].shape, sharding):
+    for k, x in shapes.items():
+        if relaid(k, row_blocks(mesh)):
+            placement[k] = jax.sharding.NamedSharding(mesh, relayout_spec(k, x.shape, mesh))
+        if not divides(x.shape, placement[k]):
             placement[k] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return placement
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from granite_jax import ops
+from granite_jax import ops, sharding
 from granite_jax.checkpoint import DTYPES, WEIGHT_DTYPES, dtype_name, load_model
 from granite_jax.cli import load_config
 from granite_jax.config import ATTENTION, MAMBA, ConfigError, ModelConfig
@@ -115,12 +115,26 @@ class ModelSpec:
         return f"random weights of {self.name} (seed {self.seed}{layers})"
 
     def load(
-        self, *, dtype: str = "float32", weight_dtype: str | None = None, ssd_impl: str = "xla", progress: bool = False
+        self,
+        *,
+        dtype: str = "float32",
+        weight_dtype: str | None = None,
+        ssd_impl: str = "xla",
+        progress: bool = False,
+        mesh: str | None = None,
     ) -> Granite:
         """The model, computing in `dtype` on weights kept in `weight_dtype` (None: dtype), its SSD `ssd_impl` (one
-        of `ops.SSD_IMPLS`) and the platform's kernels where they run (`ops.Runtime`)."""
+        of `ops.SSD_IMPLS`) and the platform's kernels where they run (`ops.Runtime`); over `mesh` ("data=2,model=4",
+        `sharding.parse_mesh`) if given."""
         dtype, weights = check_dtypes(dtype, weight_dtype)
         check_ssd_impl(ssd_impl)
+        if mesh is not None:
+            if ssd_impl == "pallas":
+                raise ExperimentError("workload.mesh: the Pallas SSD does not run over a mesh; use ssd_impl 'xla'")
+            try:
+                mesh = sharding.parse_mesh(mesh)
+            except InputError as e:
+                raise ExperimentError(f"workload.mesh: {e}") from None
         runtime = Runtime(ssd=ssd_impl)
         if self.checkpoint:
             if self.num_layers is not None:
@@ -128,13 +142,15 @@ class ModelSpec:
             if not os.path.isdir(self.checkpoint):
                 raise ExperimentError(f"{self.checkpoint}: model directory not found")
             weights = None if weight_dtype is None else weights  # None: as the checkpoint allows (float8 stays)
-            return load_model(self.checkpoint, dtype=dtype, weight_dtype=weights, runtime=runtime, progress=progress)
+            kw = dict(dtype=dtype, weight_dtype=weights, runtime=runtime, progress=progress, mesh=mesh)
+            return load_model(self.checkpoint, **kw)
         if not self.name:
             raise ExperimentError("no model: set a checkpoint directory or the name of an architecture")
         cfg = model_config(self.name, self.num_layers)
-        return random_model(
+        model = random_model(
             cfg, dtype=DTYPES[dtype], param_dtype=WEIGHT_DTYPES[weights], runtime=runtime, seed=self.seed
         )
+        return model if mesh is None else sharding.shard_model(model, mesh)
 
 
 def check_dtypes(dtype: Any, weight_dtype: Any = None) -> tuple[str, str]:
@@ -320,6 +336,9 @@ def default_config(experiment: str):
             # weight_dtype that dtype cannot hold is refused where transformers runs)
             weight_dtype=config_dict.placeholder(str),
             ssd_impl="xla",
+            # a device mesh for granite-jax, e.g. "data=2,model=4" (granite_jax.sharding; transformers runs on one
+            # device): the weights loaded straight into their shards
+            mesh=config_dict.placeholder(str),
             rewriter=False,  # run granite-jax's forward through rewriter.rewrite
             # where transformers runs (parity, throughput): auto (CUDA when granite-jax runs on a GPU and torch sees
             # one), cpu or cuda

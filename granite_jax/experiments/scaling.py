@@ -36,7 +36,7 @@ from granite_jax.model import Granite, Positions
 def run(config) -> Result:
     w, m = config.workload, config.measure
     spec = model_spec(config)
-    model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
+    model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl, mesh=w.mesh)
     lengths = sweep_lengths(w.seq_lens, w.seq_len)
     rows = []
     for length in (bar := tqdm(lengths, desc="scaling", unit="length", disable=None)):

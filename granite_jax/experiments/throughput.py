@@ -58,7 +58,7 @@ def run(config) -> Result:
     if m.transformers:
         pair = compare.load_workload_pair(spec, w)
     else:
-        model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl)
+        model = spec.load(dtype=w.dtype, weight_dtype=w.weight_dtype, ssd_impl=w.ssd_impl, mesh=w.mesh)
         pair = compare.Pair(model, None, w.dtype, spec.describe())
     bandwidth = memory_bandwidth(m.floor_probe_mib << 20) if m.floor_probe_mib > 0 else None
     speeds = []

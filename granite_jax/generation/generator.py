@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from granite_jax import ops, sharding
@@ -115,8 +116,9 @@ class Generator:
     KV slots (one decode compilation per batch size) and longer requests are rejected.
     decode_chunk: decode steps per call (1: one call per token). progress: a progress bar while the weights load.
     mesh: a `jax.sharding.Mesh` to run over (`granite_jax.sharding`): the weights are placed in their shards (loaded
-    straight into them), the caches too, and batches must be a multiple of its "data" axis. Platform kernels are off
-    over a mesh (XLA cannot partition them), and the Pallas SSD is refused.
+    straight into them), the caches too, and batches must be a multiple of its "data" axis. Over a mesh only the
+    platform backends written in plain JAX run (`ops.PARTITIONABLE`: the GPU's; XLA cannot partition the CPU kernels'
+    custom calls), and the Pallas SSD is refused.
     The weights are taken once: a Generator over a model whose weights change afterwards keeps the old ones.
     """
 
@@ -154,8 +156,8 @@ class Generator:
             _check_given_model(model, dtype, weight_dtype)
             if runtime is not None and runtime != model.runtime:
                 model = with_runtime(model, runtime)
-            if mesh is not None:
-                model = sharding.shard_model(model, mesh)
+            if mesh is not None and not (model.row_blocks == sharding.row_blocks(mesh) and _placed_over(model, mesh)):
+                model = sharding.shard_model(model, mesh)  # a model already in its shards is taken as it is
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         if tokenizer is None and model_dir is not None:
             tokenizer = load_tokenizer(model_dir)
@@ -356,15 +358,23 @@ def _check_options(runtime, prefill_chunk, min_cache_len, max_cache_len, decode_
         raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
 
 
+def _placed_over(model: Granite, mesh: Mesh | None) -> bool:
+    """Whether the model's weights are already placed over `mesh` (True without a mesh)."""
+    if mesh is None:
+        return True
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    return isinstance(leaf.sharding, jax.sharding.NamedSharding) and leaf.sharding.mesh == mesh
+
+
 def _runtime_over(mesh: Mesh | None, runtime: Runtime | None, model: Granite | None) -> Runtime | None:
-    """The runtime to run over `mesh`: without platform kernels, which XLA's partitioner cannot split (custom calls
-    would be gathered whole onto each device); the Pallas SSD refused for the same reason."""
+    """The runtime to run over `mesh` (its backends: `Runtime.backends`); the Pallas SSD refused: XLA's partitioner
+    cannot split a custom call, it would gather the operands whole onto each device."""
     if mesh is None:
         return runtime
     runtime = runtime or (model.runtime if model is not None else Runtime())
     if runtime.ssd == "pallas":
         raise GenerationError("the Pallas SSD does not run over a mesh: use ssd 'xla' (--ssd-impl xla)")
-    return runtime.replace(kernels=False, mesh=mesh)
+    return runtime.replace(mesh=mesh)
 
 
 def _check_given_model(model: Granite, dtype: Any, weights: Any) -> None:

@@ -167,17 +167,32 @@ def abstract_steps(
     weight_dtype: Any,
     runtime: Runtime | None = None,
     sampling: SamplingConfig | None = None,
+    mesh: Mesh | None = None,
 ) -> dict[str, tuple[Callable, tuple]]:
     """The prefill and decode steps of the model `cfg` with shape-only weights and arguments: {"prefill": (fn, args),
     "decode": (fn, args)}, the cache being args[2], for compiling without running (deviceless GPU compiles, kernel
-    counts). Nothing is prepared: the kernel backends of another platform than the one compiled for do not run."""
-    model = abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype, runtime=runtime)
+    counts). Nothing is prepared: the kernel backends of another platform than the one compiled for do not run.
+    mesh: the arguments placed over it as the Generator places them (`granite_jax.sharding`), the runtime's mesh set."""
+    blocks = sharding.row_blocks(mesh)
+    if mesh is not None:
+        sharding.check_mesh(cfg, mesh)
+        runtime = (runtime or Runtime()).replace(mesh=mesh)
+    model = abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype, runtime=runtime, row_blocks=blocks)
     graphdef, state = nnx.split(model)
-    weights, treedef = jax.tree.flatten(state)
-    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, cache_len, dtype))
+    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, cache_len, dtype, row_blocks=blocks))
     params = jax.eval_shape((sampling or SamplingConfig()).device_params)
     S = jax.ShapeDtypeStruct
     step, prompt, token = S((), jnp.int32), S((batch, prompt_len), jnp.int32), S((batch,), jnp.int32)
+    if mesh is not None:
+        flat = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
+        placed = sharding.parameter_shardings({k: v.get_value() for k, v in flat.items()}, mesh)
+        for k, v in flat.items():
+            v.set_value(S(v.shape, v.dtype, sharding=placed[k]))
+        cache = jax.tree.map(lambda x, s: S(x.shape, x.dtype, sharding=s), cache, sharding.cache_shardings(cache, mesh))
+        prompt, token = (S(x.shape, x.dtype, sharding=sharding.rows_sharding(mesh, x.ndim)) for x in (prompt, token))
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        params, step = jax.tree.map(lambda x: S(x.shape, x.dtype, sharding=whole), (params, step))
+    weights, treedef = jax.tree.flatten(state)
     return dict(
         prefill=(functools.partial(prefill_segment, graphdef, treedef), (weights, {}, cache, prompt, params, step)),
         decode=(functools.partial(decode_step, graphdef, treedef), (weights, {}, cache, token, params, step)),
