@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_shape_argument(p, "the weights and dimensions", default="granite-4.0-h-tiny")
     p.add_argument("--layers", type=positive_int, help="only the first LAYERS layers (default: all)")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated, of {', '.join(STEPS)}")
+    p.add_argument("--steps", help=f"comma-separated, of {', '.join(STEPS)} (default: all; with --budget, its own)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="activations")
     p.add_argument("--weight-dtype", choices=("bfloat16", "float32"), help="weights (default: --dtype)")
     p.add_argument("--ssd-impl", choices=("pallas", "xla"), default="pallas", help="the Mamba SSD")
@@ -67,10 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             with open(args.budget) as f:
                 budget = json.load(f)
             for key in BUDGET_ARGS:
-                setattr(args, key, budget["args"][key])
+                if key != "steps" or args.steps is None:  # --steps picks some of the budget's steps
+                    setattr(args, key, budget["args"][key])
             args.budget_kernels = {step: int(n) for step, n in budget["kernels"].items()}
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.fail(f"--budget {args.budget}: not a kernel budget ({type(e).__name__}: {e})")
+    args.steps = args.steps if args.steps is not None else ",".join(STEPS)
     args.steps = [s.strip() for s in args.steps.split(",") if s.strip()] if isinstance(args.steps, str) else args.steps
     if unknown := [s for s in args.steps if s not in STEPS]:
         p.fail(f"--steps: unknown step {unknown[0]!r}; expected some of {', '.join(STEPS)}")

@@ -442,12 +442,12 @@ def test_bad_overrides_are_one_line_exit_2():
     assert [proc.wait(timeout=120) for proc in runs] == [2, 2]
     assert errors[0] == [
         "granite_jax.experiment: error: --config.workload.seqlen: unknown field 'seqlen' in config.workload "
-        "(fields: batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype)"
+        "(fields: batch, dtype, mesh, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype)"
     ]
     assert len(errors[1]) == 1 and "--config.workload.batch=x" in errors[1][0], errors[1]
 
 
-WORKLOAD_FIELDS = "batch, dtype, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype"
+WORKLOAD_FIELDS = "batch, dtype, mesh, new_tokens, rewriter, seq_len, seq_lens, ssd_impl, torch_device, weight_dtype"
 BAD_CONFIG_FILES = {  # a shipped config edited by its copy: (experiment, edit, the error after "--config: FILE: ")
     "unknown_top_level_field": (
         "scaling",
