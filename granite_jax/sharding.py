@@ -3,8 +3,8 @@ axis.
 
 A mesh has up to three named axes: "data" (the batch: the rows of the tokens and of every cache), "model" (tensor
 parallelism: attention heads, Mamba heads, FFN, expert and vocabulary columns) and "expert" (the routed experts). A
-size-1 axis may be left out. The layout (Megatron-style, Shoeybi et al. 2019) splits a
-block's first product by output columns and its second by input rows, so each block ends in one all-reduce:
+size-1 axis may be left out. The layout (Megatron-style, Shoeybi et al. 2019) splits a block's first product by
+output columns and its second by input rows, so each block ends in one all-reduce:
 
 - attention: q, k, v by heads (rows of (heads * head_dim, H)), o_proj by its input columns; the KV cache by kv head;
 - Mamba: in_proj by rows, out_proj by its input columns, the conv, dt_bias, A_log, D and the gated norm's weight by
@@ -22,6 +22,8 @@ block's first product by output columns and its second by input rows, so each bl
 The arrays are placed with these shardings and XLA's SPMD partitioner (GSPMD) derives the collectives, so every
 layout computes the single-device result; the gated norm's statistic over the whole inner width, for one, becomes a
 partial sum and an all-reduce. Meshes use Auto axes: the model's code carries no sharding annotations of its own.
+Where the partitioner's choice would move weights, the mesh backend at the end of this module (`Runtime.mesh`)
+writes the op with `jax.shard_map`: the experts, the embedding lookup, the router's top-k.
 """
 
 from __future__ import annotations
