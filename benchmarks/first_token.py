@@ -24,10 +24,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, ROOT)  # runs from a plain checkout
-    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int
+    from granite_jax.cli import ArgumentParser, model_dir, output_file_problem, positive_int
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: a random tiny one, as make demo's)")
+    p.add_argument(
+        "--model",
+        type=model_dir,
+        default=None,
+        help="checkpoint directory (default: a random tiny one, as make demo's)",
+    )
     p.add_argument("--prompt", default="The quick brown fox", help="the prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per run")
     p.add_argument("--runs", type=positive_int, default=2, help="runs sharing one cache: the first fills it")
@@ -35,8 +40,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if problem := output_file_problem("--json", args.json):
         p.fail(problem)
-    if args.model is not None and not os.path.isdir(args.model):
-        p.fail(f"--model {args.model}: model directory not found")
     return args
 
 

@@ -32,10 +32,12 @@ CHECKPOINTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, ROOT)  # runs from a plain checkout
-    from granite_jax.cli import ArgumentParser, output_file_problem, positive_int
+    from granite_jax.cli import ArgumentParser, model_dir, output_file_problem, positive_int
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="a checkpoint directory (default: the random test checkpoints)")
+    p.add_argument(
+        "--model", type=model_dir, default=None, help="a checkpoint directory (default: the random test checkpoints)"
+    )
     p.add_argument("--prompts", type=positive_int, default=8, help="random prompts per checkpoint")
     p.add_argument("--prompt-len", type=positive_int, default=16, help="tokens per prompt")
     p.add_argument("--new-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
@@ -43,8 +45,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if problem := output_file_problem("--json", args.json):
         p.fail(problem)
-    if args.model is not None and not os.path.isdir(args.model):
-        p.fail(f"--model {args.model}: model directory not found")
     return args
 
 

@@ -105,17 +105,10 @@ def step_launches(cfg, args: argparse.Namespace, step: str) -> list:
 
 
 def per_layer(cfg, args: argparse.Namespace, step: str) -> dict[str, dict[str, Any]]:
-    """The step's totals split into one layer of each kind and the rest, from models of one and two layers."""
-    from pallas_kernels.executable import summary
+    """The step's totals split into one layer of each kind and the rest (`executable.layer_split`)."""
+    from pallas_kernels.executable import layer_split, summary
 
-    kinds = tuple(sorted(set(cfg.layer_types), key=cfg.layer_types.index))
-    base = summary(step_launches(cfg.replace(layer_types=kinds[:1]), args, step))
-    parts = {}
-    for kind in kinds:
-        more = summary(step_launches(cfg.replace(layer_types=(kinds[0], kind)), args, step))
-        parts[f"{kind} layer"] = {k: more[k] - base[k] for k in base}
-    parts["rest"] = {k: base[k] - parts[f"{kinds[0]} layer"][k] for k in base}
-    return parts
+    return layer_split(cfg, lambda c: summary(step_launches(c, args, step)))
 
 
 # ---------------------------------------------------------------------------------------------- the floor

@@ -80,16 +80,14 @@ def step_totals(cfg, devices: int, step: str, cache_len: int) -> dict[str, float
 
 
 def whole_model(cfg, devices: int, step: str, cache_len: int) -> dict[str, Any]:
-    """The step's per-device totals for all of `cfg`'s layers, from models of one and two layers (one of each kind)."""
-    kinds = tuple(sorted(set(cfg.layer_types), key=cfg.layer_types.index))
-    base = step_totals(cfg.replace(layer_types=kinds[:1]), devices, step, cache_len)
-    layer = {}
-    for kind in kinds:
-        more = step_totals(cfg.replace(layer_types=(kinds[0], kind)), devices, step, cache_len)
-        layer[kind] = {k: more[k] - base[k] for k in TOTALS}
-    rest = {k: base[k] - layer[kinds[0]][k] for k in TOTALS}
-    total = {k: rest[k] + sum(cfg.layer_types.count(kind) * layer[kind][k] for kind in kinds) for k in TOTALS}
-    return dict(total=total, per_layer=layer, rest=rest)
+    """The step's per-device totals for all of `cfg`'s layers, from models of one and two layers
+    (`executable.layer_split`), and the split itself."""
+    from pallas_kernels.executable import layer_split
+
+    parts = layer_split(cfg, lambda c: step_totals(c, devices, step, cache_len))
+    counts = {f"{kind} layer": cfg.layer_types.count(kind) for kind in set(cfg.layer_types)} | {"rest": 1}
+    total = {k: sum(counts[part] * values[k] for part, values in parts.items()) for k in TOTALS}
+    return dict(total=total, parts=parts)
 
 
 def table(result: dict[str, Any]) -> str:

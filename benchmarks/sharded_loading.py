@@ -62,17 +62,20 @@ print(json.dumps(dict(peak_above=peak - before, model_bytes=sum(x.nbytes for x i
 
 def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, ROOT)  # runs from a plain checkout
-    from granite_jax.cli import ArgumentParser, output_file_problem
+    from granite_jax.cli import ArgumentParser, model_dir, output_file_problem
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint directory (default: a random one, made here)")
+    p.add_argument(
+        "--model",
+        type=model_dir,
+        default=None,
+        help="Hugging Face checkpoint directory (default: a random one, made here)",
+    )
     p.add_argument("--mesh", default="data=2,model=4", help=f"the mesh over {DEVICES} simulated CPU devices")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     if problem := output_file_problem("--json", args.json):
         p.fail(problem)
-    if args.model is not None and not os.path.isdir(args.model):
-        p.fail(f"--model {args.model}: model directory not found")
     return args
 
 

@@ -93,6 +93,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+def model_dir(text: str) -> str:
+    """argparse type: an existing checkpoint directory."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: model directory not found")
+    return text
+
+
 def output_file_problem(flag: str, path: str | None, *, make_dir: bool = False) -> str | None:
     """Why the file `path` (given as `flag`) could not be written at the end of a run, or None; checked first, so a
     long run is not lost to a late failure. make_dir: create its missing directory now."""

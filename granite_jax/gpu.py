@@ -88,9 +88,15 @@ def _scaled_linear(reference, x: Array, w: Array, scale: Array) -> Array:
     return float8_linear(x, w, scale)
 
 
+def takes_grouped(rows: int, w_shape: tuple[int, int, int], itemsize: int) -> bool:
+    """Whether this backend's `expert_linear` runs the grouped product: past the rows the plain body gathers the
+    chosen experts' matrices for (decoding), where `grouped_is_faster`."""
+    return rows > model.GATHER_ROWS and grouped_is_faster(rows, w_shape, itemsize)
+
+
 def _expert_linear(reference, x: Array, w: Array, experts: Array) -> Array:
-    if x.shape[0] <= model.GATHER_ROWS or not grouped_is_faster(x.shape[0], w.shape, jnp.dtype(x.dtype).itemsize):
-        return reference(x, w, experts)  # the chosen experts gathered (decoding), or the dense product
+    if not takes_grouped(x.shape[0], w.shape, jnp.dtype(x.dtype).itemsize):
+        return reference(x, w, experts)  # the chosen experts gathered, or the dense product
     return grouped_expert_linear(x, w, experts)
 
 

@@ -200,33 +200,43 @@ _BLOCKED = {  # NNX path -> (the order of `blocks` blocks, given the config, and
 }
 
 
-def relaid(path: str, blocks: int) -> bool:
-    """Whether `blocks` blocks reorder parameter `path` (`to_blocks`)."""
-    return blocks > 1 and any(re.fullmatch(_L + pattern, path) for pattern in _BLOCKED)
-
-
-def _block_index(path: str, cfg: ModelConfig | None, blocks: int, order: bool = True):
-    """(the order of `blocks` blocks, the axis it indexes) of parameter `path`, None if blocks do not reorder it; only
-    the axis without `order`."""
-    for pattern, (blocked, axis) in _BLOCKED.items():
-        if blocks > 1 and re.fullmatch(_L + pattern, path):
-            return (blocked(cfg, blocks), axis) if order else axis
+def _blocked(path: str, blocks: int) -> tuple[Any, int] | None:
+    """(the order of `blocks` blocks given a config, the axis it indexes) of parameter `path`; None if `blocks` blocks
+    do not reorder it."""
+    if blocks > 1:
+        for pattern, found in _BLOCKED.items():
+            if re.fullmatch(_L + pattern, path):
+                return found
     return None
 
 
+def relaid(path: str, blocks: int) -> bool:
+    """Whether `blocks` blocks reorder parameter `path` (`to_blocks`)."""
+    return _blocked(path, blocks) is not None
+
+
+def transformers_shape(cfg: ModelConfig, blocks: int, path: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Parameter `path`'s shape in transformers' order, from its `shape` in `blocks` blocks (copied B and C rows
+    counted once): what a checkpoint stores."""
+    found = _blocked(path, blocks)
+    if found is None:
+        return tuple(shape)
+    order, axis = found
+    return tuple(int(order(cfg, blocks).max()) + 1 if i == axis else n for i, n in enumerate(shape))
+
+
 def relayout_spec(path: str, shape: tuple[int, ...], mesh: Mesh) -> P:
-    """Where a tensor `to_blocks` reorders is put before it is reordered: its own spec with the model axis moved off
-    the reordered dimension onto another it divides (None where none), so that each device reorders its slice alone
-    and one all-to-all then takes the blocks to their devices (reordering a split dimension in place gathers the
-    whole tensor onto every device)."""
-    spec = list(parameter_spec(path, len(shape), mesh)) + [None] * len(shape)
-    spec = spec[: len(shape)]
-    index = _block_index(path, None, row_blocks(mesh), order=False)
-    model = _mesh_axis("model", mesh)
-    if index is None or model is None or spec[index] != model:
+    """Parameter `path`'s spec as stored, in transformers' order: `parameter_spec`, except that a tensor `to_blocks`
+    reorders has the model axis moved off the reordered dimension onto another it divides (None where none), so that
+    each device reorders its slice alone and one all-to-all then takes the blocks to their devices (reordering a
+    split dimension in place gathers the whole tensor onto every device)."""
+    spec = list(parameter_spec(path, len(shape), mesh))
+    found, model = _blocked(path, row_blocks(mesh)), _mesh_axis("model", mesh)
+    if found is None or model is None or spec[found[1]] != model:
         return P(*spec)
-    spec[index] = None
-    free = [i for i, axis in enumerate(spec) if axis is None and i != index and shape[i] % mesh.shape[model] == 0]
+    axis = found[1]
+    spec[axis] = None
+    free = [i for i, a in enumerate(spec) if a is None and i != axis and shape[i] % mesh.shape[model] == 0]
     if free:
         spec[max(free, key=lambda i: shape[i])] = model
     return P(*spec)
@@ -241,27 +251,24 @@ def divides(shape: tuple[int, ...], sharding: NamedSharding) -> bool:
 
 def to_blocks(cfg: ModelConfig, blocks: int, path: str, x: Any) -> Any:
     """Parameter `path`'s value `x` (transformers' order; a NumPy or JAX array) in the order of `blocks` blocks."""
-    index = _block_index(path, cfg, blocks)
-    return x if index is None else x.take(index[0], axis=index[1])
+    found = _blocked(path, blocks)
+    return x if found is None else x.take(found[0](cfg, blocks), axis=found[1])
 
 
 def from_blocks(cfg: ModelConfig, blocks: int, path: str, x: Any) -> Any:
     """`to_blocks`' inverse: each transformers-order row from its first place in the blocks."""
-    index = _block_index(path, cfg, blocks)
-    if index is None:
+    found = _blocked(path, blocks)
+    if found is None:
         return x
-    order, axis = index
+    order = found[0](cfg, blocks)
     first = np.full(int(order.max()) + 1, -1)
     first[order[::-1]] = np.arange(len(order))[::-1]  # the last write wins: each index's first place
-    return x.take(first, axis=axis)
+    return x.take(first, axis=found[1])
 
 
 def transformers_order(model: Any) -> dict[str, Any]:
     """The model's parameters {NNX path: array} with the Mamba rows in transformers' order (for saving)."""
-    from flax import nnx
-
-    flat = {".".join(map(str, k)): v[...] for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    return {k: from_blocks(model.cfg, model.row_blocks, k, v) for k, v in flat.items()}
+    return {k: from_blocks(model.cfg, model.row_blocks, k, v[...]) for k, v in _flat_params(model).items()}
 
 
 def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -271,25 +278,36 @@ def rows_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
     """The model with each parameter placed over `mesh` by its rule, the Mamba rows in the mesh's blocks (a copy of
-    each array, in its shards, made one at a time)."""
+    each array, in its shards, made one at a time; rows already in those blocks are only placed)."""
     from flax import nnx
 
     from granite_jax.model import FLOAT8, abstract_model, weight_dtype
 
     check_mesh(model.cfg, mesh)
     blocks = row_blocks(mesh)
-    source = transformers_order(model)
+    if model.row_blocks == blocks:
+        source, relayout = {k: v[...] for k, v in _flat_params(model).items()}, lambda cfg, blocks, path, x: x
+    else:
+        source, relayout = transformers_order(model), to_blocks
     stored = weight_dtype(model)  # the parameters' structure: float8 matrices come with scales
     param_dtype = FLOAT8 if stored == "float8" else stored if isinstance(stored, str) else model.dtype
     runtime = model.runtime.replace(mesh=mesh)
     kinds = dict(dtype=model.dtype, param_dtype=param_dtype, runtime=runtime, row_blocks=blocks)
     graphdef, state = nnx.split(abstract_model(model.cfg, **kinds))
-    flat = {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
+    flat = _flat_params(state)
     shardings = parameter_shardings({path: v.get_value() for path, v in flat.items()}, mesh)
     for path, v in flat.items():
-        place = functools.partial(to_blocks, model.cfg, blocks, path)
+        place = functools.partial(relayout, model.cfg, blocks, path)
         v.set_value(jax.jit(place, out_shardings=shardings[path])(source.pop(path)))
     return nnx.merge(graphdef, state)
+
+
+def _flat_params(tree: Any) -> dict[str, Any]:
+    """{"layers.0.mamba.in_proj.weight": its nnx.Param} of a model, or of a model's state."""
+    from flax import nnx
+
+    state = tree if isinstance(tree, nnx.State) else nnx.state(tree, nnx.Param)
+    return {".".join(map(str, path)): v for path, v in nnx.to_flat_state(state)}
 
 
 # ---------------------------------------------------------------------------------------------- the mesh backend

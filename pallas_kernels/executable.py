@@ -24,6 +24,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -101,6 +102,20 @@ def summary(items: list[Launch]) -> dict[str, Any]:
         unknown_trip_counts=sum(not k.trips_known for k in items),
         pallas_calls=sum(k.count for k in items if k.kind == "pallas"),
     )
+
+
+def layer_split(cfg: Any, totals: Callable[[Any], dict[str, float]]) -> dict[str, dict[str, float]]:
+    """A step's totals split into one layer of each kind the model config `cfg` has and the rest ({"mamba layer": ...,
+    "rest": ...}), from `totals` of models of the first kind's one layer and of it and one layer of each kind: their
+    difference is that layer, what one layer leaves is the embedding, head and sampler."""
+    kinds = tuple(sorted(set(cfg.layer_types), key=cfg.layer_types.index))
+    base = totals(cfg.replace(layer_types=kinds[:1]))
+    parts = {}
+    for kind in kinds:
+        more = totals(cfg.replace(layer_types=(kinds[0], kind)))
+        parts[f"{kind} layer"] = {k: more[k] - base[k] for k in base}
+    parts["rest"] = {k: base[k] - parts[f"{kinds[0]} layer"][k] for k in base}
+    return parts
 
 
 def shape_bytes(shape: str) -> float:

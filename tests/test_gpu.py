@@ -58,7 +58,7 @@ def test_the_gpu_platform_runs_the_grouped_product_where_it_is_faster():
         x, e = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32), jnp.asarray(rng.integers(0, 64, rows))
         plain = jax.jit(ops.under(Runtime(kernels=False), expert_linear)).lower(x, w, e).as_text()
         for_gpu = jax.jit(ops.under(Runtime(platform="gpu"), expert_linear)).lower(x, w, e).as_text()
-        grouped = rows > GATHER_ROWS and gpu.grouped_is_faster(rows, w.shape, 4)
+        grouped = gpu.takes_grouped(rows, w.shape, 4)
         assert (for_gpu != plain) == grouped  # otherwise the plain gather or dense product
         chosen.append(grouped)
     assert chosen == [False, False, True]  # both kinds tried

@@ -55,20 +55,21 @@ def load_model(
             f"(or auto), not {weights}"
         )
     kinds = dict(dtype=DTYPES[dtype], param_dtype=WEIGHT_DTYPES[weights])
+    cfg = cfg or hf.load_config(model_dir)  # an orbax directory keeps a config.json too
     if mesh is not None:
-        sharding.check_mesh(cfg or hf.load_config(model_dir), mesh)
+        sharding.check_mesh(cfg, mesh)
     if orbax.is_orbax_checkpoint(model_dir):
         model = orbax.restore_model(model_dir, **kinds, runtime=runtime, cfg=cfg, mesh=mesh)
     else:
-        cfg = cfg or hf.load_config(model_dir)
         files = hf.checkpoint_files(model_dir)
         blocks = sharding.row_blocks(mesh)
         graphdef, state = nnx.split(abstract_model(cfg, **kinds, runtime=runtime, row_blocks=blocks))
-        placement = None if mesh is None else sharding.parameter_shardings(hf.flatten(nnx.to_pure_dict(state)), mesh)
-        stored = state if blocks == 1 else nnx.state(abstract_model(cfg, **kinds))  # transformers' shapes
-        expected = hf.flatten(nnx.to_pure_dict(stored))
+        params = hf.flatten(nnx.to_pure_dict(state))
+        placement = None if mesh is None else sharding.parameter_shardings(params, mesh)
+        stored = {k: jax.ShapeDtypeStruct(sharding.transformers_shape(cfg, blocks, k, x.shape), x.dtype)
+                  for k, x in params.items()}  # fmt: skip
         relayout = functools.partial(sharding.to_blocks, cfg, blocks)
-        values = hf.read_weights(files, expected, progress, placement, relayout)
+        values = hf.read_weights(files, stored, progress, placement, relayout)
         nnx.replace_by_pure_dict(state, hf.unflatten(values))
         model = nnx.merge(graphdef, state)
     check_finite(model, model_dir)

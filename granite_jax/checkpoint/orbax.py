@@ -50,6 +50,7 @@ from granite_jax.sharding import (
     shard_model,
     to_blocks,
     transformers_order,
+    transformers_shape,
 )
 
 MARKER = "granite_jax_checkpoint.json"
@@ -327,14 +328,13 @@ def restore_model(
         wide = jnp.bfloat16 if stored == "bfloat16" else jnp.float32
         wide_model = restore_model(d, dtype=dtype, param_dtype=wide, runtime=runtime, cfg=cfg, mesh=mesh)
         return with_float8_weights(wide_model) if mesh is None else shard_model(with_float8_weights(wide_model), mesh)
-    kinds = dict(dtype=dtype, param_dtype=param_dtype, runtime=runtime)
-    graphdef, state = nnx.split(abstract_model(cfg, **kinds, row_blocks=row_blocks(mesh)))
-    stored = state if mesh is None else nnx.state(abstract_model(cfg, **kinds))  # transformers' Mamba rows
-    stored_shapes = flatten(nnx.to_pure_dict(stored))
-    placement = _restore_placement(stored_shapes, mesh)
-    target = unflatten(
-        {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placement[k]) for k, x in stored_shapes.items()}
-    )
+    blocks = row_blocks(mesh)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, runtime=runtime,
+                                               row_blocks=blocks))  # fmt: skip
+    params = flatten(nnx.to_pure_dict(state))
+    saved = {k: transformers_shape(cfg, blocks, k, x.shape) for k, x in params.items()}
+    placement = _restore_placement(saved, mesh)
+    target = unflatten({k: jax.ShapeDtypeStruct(saved[k], x.dtype, sharding=placement[k]) for k, x in params.items()})
     try:
         with _quiet_orbax(), _abandoned_reads_ignored(), _checkpointer() as ck:
             restored = ck.restore(os.path.join(d, STATE_DIR), target)
@@ -345,30 +345,29 @@ def restore_model(
     if mesh is not None:  # each row block to its device, one tensor at a time (the restored one freed as it goes)
         flat = flatten(restored)
         del restored
-        blocked = parameter_shardings(flatten(nnx.to_pure_dict(state)), mesh)
-        for k, sharding in blocked.items():
-            if relaid(k, row_blocks(mesh)):
-                flat[k] = jax.jit(functools.partial(to_blocks, cfg, row_blocks(mesh), k), out_shardings=sharding)(
-                    flat.pop(k)
-                )
+        for k, sharding in parameter_shardings(params, mesh).items():
+            if relaid(k, blocks):
+                flat[k] = jax.jit(functools.partial(to_blocks, cfg, blocks, k), out_shardings=sharding)(flat.pop(k))
         restored = unflatten(flat)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)
 
 
-def _restore_placement(shapes: dict[str, Any], mesh: jax.sharding.Mesh | None) -> dict[str, jax.sharding.Sharding]:
-    """Where each stored tensor is restored: its shards (`sharding.parameter_shardings`); a tensor laid out in blocks
-    after the restore, split where its reordering is local (`sharding.relayout_spec`), and whole on each device where
-    that split would not divide it."""
+def _restore_placement(
+    shapes: dict[str, tuple[int, ...]], mesh: jax.sharding.Mesh | None
+) -> dict[str, jax.sharding.Sharding]:
+    """Where each stored tensor is restored: its shards (`sharding.parameter_spec`), a tensor laid out in blocks after
+    the restore split where its reordering is local (`sharding.relayout_spec`); whole on each device where that
+    split would not divide it."""
     if mesh is None:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return {k: single for k in shapes}
-    placement = parameter_shardings(shapes, mesh)
-    for k, x in shapes.items():
-        if relaid(k, row_blocks(mesh)):
-            placement[k] = jax.sharding.NamedSharding(mesh, relayout_spec(k, x.shape, mesh))
-        if not divides(x.shape, placement[k]):
-            placement[k] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    placement = {}
+    for k, shape in shapes.items():
+        placed = jax.sharding.NamedSharding(mesh, relayout_spec(k, shape, mesh))
+        placement[k] = (
+            placed if divides(shape, placed) else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        )
     return placement
 
 

@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from granite_jax import ops, sharding
@@ -154,10 +153,10 @@ class Generator:
             )
         else:
             _check_given_model(model, dtype, weight_dtype)
+            if mesh is not None and model.runtime.mesh != mesh:  # a model loaded over this mesh is in its shards
+                model = sharding.shard_model(model, mesh)
             if runtime is not None and runtime != model.runtime:
                 model = with_runtime(model, runtime)
-            if mesh is not None and not (model.row_blocks == sharding.row_blocks(mesh) and _placed_over(model, mesh)):
-                model = sharding.shard_model(model, mesh)  # a model already in its shards is taken as it is
         self.model_dir = None if model_dir is None else os.fspath(model_dir)
         if tokenizer is None and model_dir is not None:
             tokenizer = load_tokenizer(model_dir)
@@ -167,12 +166,16 @@ class Generator:
             int, (prefill_chunk, min_cache_len, decode_chunk)
         )
         self.max_cache_len = None if max_cache_len is None else int(max_cache_len)
-        self.mesh = mesh
-        self.steps = Steps(model, mesh)
+        self.steps = Steps(model)
         self.compilations: collections.Counter[str] = collections.Counter()  # "prefill" / "decode" -> shapes compiled
         self._compiled: set[tuple] = set()
         self._prepared: dict[int, ops.Prepared] = {}  # by batch size
         self.last_timing: Timing | None = None
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh the model runs over (its runtime's), None on one device."""
+        return self.model.runtime.mesh
 
     @property
     def weight_dtype(self) -> str | list[str]:
@@ -356,14 +359,6 @@ def _check_options(runtime, prefill_chunk, min_cache_len, max_cache_len, decode_
             raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
     if max_cache_len is not None and not is_size(max_cache_len):
         raise GenerationError(f"max_cache_len must be an integer >= 1 or None, got {max_cache_len!r}")
-
-
-def _placed_over(model: Granite, mesh: Mesh | None) -> bool:
-    """Whether the model's weights are already placed over `mesh` (True without a mesh)."""
-    if mesh is None:
-        return True
-    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
-    return isinstance(leaf.sharding, jax.sharding.NamedSharding) and leaf.sharding.mesh == mesh
 
 
 def _runtime_over(mesh: Mesh | None, runtime: Runtime | None, model: Granite | None) -> Runtime | None:

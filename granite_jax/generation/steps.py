@@ -94,8 +94,8 @@ class Steps:
     """The jitted steps of one model. Call them with (prepared, cache, ...): the weights are bound, the cache donated.
     `abstract(...)` gives shape-only arguments for `lower(...)` (compiling ahead of time fills jit's own cache)."""
 
-    def __init__(self, model: Granite, mesh: Mesh | None = None):
-        self.model, self.cfg, self.mesh = model, model.cfg, mesh
+    def __init__(self, model: Granite):
+        self.model, self.cfg, mesh = model, model.cfg, model.runtime.mesh
         graphdef, state = nnx.split(model)
         self.weights, treedef = jax.tree.flatten(state)
         donate = dict(donate_argnums=(2,))  # (weights, prepared, cache, ...)
@@ -106,8 +106,8 @@ class Steps:
                 functools.partial(decode_steps, graphdef, treedef), static_argnames=("chunk",), **donate
             ),
         }
-        # Over a mesh the weights arrive placed (`sharding.shard_model`), the cache is made in its shards, and XLA
-        # partitions each step from them.
+        # Over the model's mesh the weights arrive placed (`sharding.shard_model`), the cache is made in its shards,
+        # and XLA partitions each step from them.
         layout = {}
         init = functools.partial(Cache.init, row_blocks=model.row_blocks)
         if mesh is not None:

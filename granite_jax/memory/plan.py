@@ -35,7 +35,7 @@ from flax import nnx
 
 from granite_jax import gpu
 from granite_jax.config import ATTENTION, MAMBA, ModelConfig
-from granite_jax.model import GATHER_ROWS, KV_BLOCK, Cache, KVState, MambaState, abstract_model
+from granite_jax.model import KV_BLOCK, Cache, KVState, MambaState, abstract_model
 
 PARTS = ("weights", "kv_cache", "mamba_state", "activations")
 
@@ -119,17 +119,17 @@ def activation_bytes(
 
 def _experts_bytes(cfg: ModelConfig, tokens: int, itemsize: int, platform: str) -> int:
     """The routed experts' buffers for `tokens` tokens: each token's k copies, their SwiGLU input and output, the
-    router's logits; on a GPU where it is chosen (`gpu.grouped_is_faster`), the grouped product's blocks of rows, the
+    router's logits; on a GPU where it runs (`gpu.takes_grouped`), the grouped product's blocks of rows, the
     matrix it gathers for each block and the blocks' outputs, for the larger of its two products."""
     if not cfg.num_local_experts:
         return 0
     E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     rows = tokens * cfg.num_experts_per_tok
     total = rows * itemsize * (2 * H + 3 * F) + tokens * 4 * E
-    if platform == "gpu" and rows > GATHER_ROWS:
+    if platform == "gpu":
         block = gpu.block_rows(rows, E)
         blocks = -(-rows // block) + E
-        products = [(K, N) for K, N in ((H, 2 * F), (F, H)) if gpu.grouped_is_faster(rows, (E, K, N), itemsize)]
+        products = [(K, N) for K, N in ((H, 2 * F), (F, H)) if gpu.takes_grouped(rows, (E, K, N), itemsize)]
         total += max((itemsize * blocks * (block * K + K * N + block * N) for K, N in products), default=0)
     return total
 
