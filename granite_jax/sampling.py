@@ -7,14 +7,17 @@ The sampler avoids sorting the vocabulary (a 100K-entry sort costs ~35 ms per ro
 weights of a small model take to stream): the top-k and top-p cut-offs are found by bisection over the
 order-preserving integer image of the float32 logits (32 passes of compare-and-sum, exact), and the draw is an
 inverse-CDF lookup, first over blocks of the vocabulary and then inside the chosen block, from one uniform per row.
-Temperature, top-k and top-p are traced scalars: changing them never recompiles.
+Temperature, top-k and top-p are traced scalars: changing them never recompiles. They may also be one value a row
+(`SamplingConfig.row_params`): a server's batch holds requests with their own options and their own random streams,
+each row drawing what it would draw alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +104,22 @@ class SamplingConfig:
             key=jax.random.key_data(jax.random.key(self.seed)),
         )
 
+    @staticmethod
+    def row_params(configs: Sequence[SamplingConfig]) -> SamplerParams:
+        """One row of options a config, as numpy arrays (b,) (keys (b, 2)): each row samples as it would alone,
+        with `step` (b,) its own token index."""
+        return SamplerParams(
+            temperature=np.asarray([c.temperature for c in configs], np.float32),
+            top_k=np.asarray([c.top_k for c in configs], np.int32),
+            top_p=np.asarray([c.top_p for c in configs], np.float32),
+            key=np.stack([_key_data(c.seed) for c in configs]),
+        )
+
+
+@functools.cache
+def _key_data(seed: int) -> np.ndarray:
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -133,19 +152,26 @@ def _as_tuple(x, name: str) -> tuple:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerParams:
-    temperature: Array  # () float32; 0 = greedy
-    top_k: Array  # () int32; 0 = off
-    top_p: Array  # () float32; 1 = off
-    key: Array  # raw key data of jax.random.key(seed)
+    temperature: Array  # () float32, or (b,) one a row; 0 = greedy
+    top_k: Array  # () or (b,) int32; 0 = off
+    top_p: Array  # () or (b,) float32; 1 = off
+    key: Array  # raw key data of jax.random.key(seed), or (b, ...) one a row
 
 
 # ---------------------------------------------------------------------------------------------- the sampler
 
 
 def sample_tokens(logits: Array, params: SamplerParams, step: Array) -> Array:
-    """Token ids (b,) from logits (b, V). `step` (the index of the token being produced) varies the random draw."""
+    """Token ids (b,) from logits (b, V). `step` (the index of the token being produced) varies the random draw.
+    Options one a row (`SamplingConfig.row_params`) take `step` (b,) too: each row draws from its own key, as a
+    batch of one with that key draws."""
     logits = logits.astype(jnp.float32)
-    return lax.cond(params.temperature > 0, lambda: _sample(logits, params, step), lambda: greedy_tokens(logits))
+    sampling = params.temperature > 0
+    if params.temperature.ndim == 0:
+        return lax.cond(sampling, lambda: _sample(logits, params, step), lambda: greedy_tokens(logits))
+    greedy = greedy_tokens(logits)
+    drawn = lax.cond(jnp.any(sampling), lambda: _sample(logits, params, step), lambda: greedy)
+    return jnp.where(sampling, drawn, greedy)
 
 
 @ops.replaceable
@@ -160,22 +186,34 @@ def greedy_tokens(logits: Array) -> Array:
 def _sample(logits: Array, params: SamplerParams, step: Array) -> Array:
     # Shifted before scaling, so the most likely token is exactly 0 (weight exp(0) = 1) however small T is; `l / T`
     # alone, recomputed in two fusions, could differ enough at T ~ 1e-10 to leave every weight 0.
-    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / params.temperature
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)  # greedy rows of a batch: any
+    scaled = (logits - jnp.max(logits, axis=-1, keepdims=True)) / temperature[..., None]
     keep = filter_mask(scaled, params.top_k, params.top_p)
-    key = jax.random.fold_in(jax.random.wrap_key_data(params.key), step)
-    u = jax.random.uniform(key, (logits.shape[0],), jnp.float32)
+    if params.temperature.ndim == 0:
+        u = _uniforms(params.key, step, logits.shape[0])
+    else:  # a row's draw is the first of a batch of one's
+        u = jax.vmap(lambda key, step: _uniforms(key, step, 1)[0])(params.key, step)
     return draw(scaled, keep, u)
 
 
+def _uniforms(key_data: Array, step: Array, n: int) -> Array:
+    return jax.random.uniform(jax.random.fold_in(jax.random.wrap_key_data(key_data), step), (n,), jnp.float32)
+
+
 def filter_mask(logits: Array, top_k: Array, top_p: Array) -> Array:
-    """(b, V) True for the tokens top-k then top-p keep (ties at a cut-off are kept)."""
+    """(b, V) True for the tokens top-k then top-p keep (ties at a cut-off are kept). top_k and top_p: () or (b,)."""
     keys = ordered_keys(logits)
     b = logits.shape[0]
     floor = jnp.full((b,), _INT_MIN, jnp.int32)
-    k_floor = lax.cond(top_k > 0, lambda: _top_k_floor(keys, top_k), lambda: floor)
+    k_floor = _floor_where(top_k > 0, lambda: _top_k_floor(keys, top_k), floor)
     probs = jax.nn.softmax(jnp.where(keys >= k_floor[:, None], logits, -jnp.inf), axis=-1)
-    p_floor = lax.cond(top_p < 1, lambda: _top_p_floor(keys, probs, top_p), lambda: floor)
+    p_floor = _floor_where(top_p < 1, lambda: _top_p_floor(keys, probs, top_p), floor)
     return keys >= jnp.maximum(k_floor, p_floor)[:, None]
+
+
+def _floor_where(on: Array, cut: Callable[[], Array], floor: Array) -> Array:
+    """The rows' cut-off where `on` (() or (b,)), else `floor`; the bisection skipped when no row needs it."""
+    return lax.cond(jnp.any(on), lambda: jnp.where(on, cut(), floor), lambda: floor)
 
 
 def ordered_keys(x: Array) -> Array:

@@ -1,0 +1,427 @@
+"""Continuous batching: requests join and leave a running decode batch one token step at a time.
+
+One thread runs the device. Each turn of its loop:
+1. takes cancellations (a slot is freed at once) and admits waiting requests while slots are free;
+2. runs one piece of the oldest admitted prompt's prefill, in its own one-row cache: at most `prefill_budget` tokens
+   while other rows are decoding, so a long prompt delays their next token by about one step's time, not by its whole
+   prefill; when it is done, its first token is out and the row joins the batch (`rows.insert`);
+3. runs one decode step for every row, each with its own sampling options and random stream
+   (`SamplingConfig.row_params`), and pushes each row's token to its request, which stops on its own.
+
+Shapes are bucketed so that joining never compiles: the batch has a power-of-two number of rows (grown when full,
+shrunk when at most half is used), and a prefill piece is a power of two of tokens (a prompt of n tokens runs as the
+binary digits of n: exact, no padding, at most log2(n) + 1 calls). `warmup` compiles every bucket before serving.
+The rows share one clock (`rows`). Prompts that begin like earlier ones start from a snapshot (`prefix`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from granite_jax.errors import GenerationError
+from granite_jax.generation import Generator
+from granite_jax.generation.layout import next_power_of_two
+from granite_jax.generation.stream import RowStream
+from granite_jax.model import Cache
+from granite_jax.sampling import SamplingConfig
+from granite_jax.serving import rows
+from granite_jax.serving.prefix import PrefixCache
+
+FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "length": "length", "max_position": "length"}
+
+
+class Overloaded(Exception):
+    """Every slot is busy and the waiting queue is full: try again later."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How a request ended. finish_reason: "stop", "length", "cancelled" or "error" (then `error` says why)."""
+
+    finish_reason: str
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+    error: str | None = None
+    logprobs: tuple[float, ...] | None = None  # of each token, if the request asked for them
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A prompt's token ids and how to sample them. `on_text(delta)` and `on_done(outcome)` are called from the
+    engine's thread: hand them over to another thread's loop, do not block in them."""
+
+    ids: list[int]
+    sampling: SamplingConfig
+    on_text: Callable[[str], None]
+    on_done: Callable[[Outcome], None]
+    logprobs: bool = False  # keep each token's log-probability
+    stream: RowStream | None = None
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
+    cancelled: bool = False
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        text, ids = ("", ()) if self.stream is None else (self.stream.text, tuple(self.stream.ids))
+        logprobs = tuple(self.token_logprobs) if self.logprobs else None
+        self.on_done(Outcome(reason, text, ids, len(self.ids), self.cached_tokens, error, logprobs))
+
+
+@dataclasses.dataclass
+class _Prefill:
+    request: Request
+    cache: Cache  # one row, its own clock
+    done: int  # prompt tokens in the cache
+    cuts: list[int]  # where to take prefix snapshots
+    params: Any  # the request's sampling options as one row
+
+
+def buckets(limit: int) -> list[int]:
+    """Powers of two below `limit`, then `limit`."""
+    return sorted({min(1 << i, limit) for i in range(limit.bit_length() + 1)})
+
+
+def piece_length(remaining: int, budget: int) -> int:
+    """The next prefill piece: the largest power of two within both (a prefill compiles once per power of two)."""
+    return 1 << (min(remaining, budget).bit_length() - 1)
+
+
+class Engine:
+    """A Generator's model serving requests by continuous batching (see the module's docstring).
+
+    max_batch: decode slots (rows). max_context: the longest prompt plus completion a request may have.
+    prefill_chunk: longest prefill piece when no row is decoding; prefill_budget: while some are. max_queue: requests
+    waiting for a slot, beyond which `submit` raises Overloaded. prefix_cache_bytes: memory for prefix snapshots
+    (0: no prefix caching). room: KV slots beyond max_context (None: a quarter of it, at least 64), which bounds how
+    often the rows move back along the clock (`rows.reclock`).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        max_batch: int = 8,
+        max_context: int = 4096,
+        prefill_chunk: int = 256,
+        prefill_budget: int = 32,
+        max_queue: int = 64,
+        prefix_cache_bytes: int = 1 << 30,
+        room: int | None = None,
+    ):
+        self.generator, self.cfg = generator, generator.cfg
+        self.max_batch, self.max_context, self.max_queue = int(max_batch), int(max_context), int(max_queue)
+        self.prefill_chunk, self.prefill_budget = int(prefill_chunk), int(min(prefill_budget, prefill_chunk))
+        if self.cfg.rope_theta is not None and self.max_context > self.cfg.max_position_embeddings:
+            raise GenerationError(
+                f"max_context={self.max_context} is past this RoPE model's max_position_embeddings="
+                f"{self.cfg.max_position_embeddings}"
+            )
+        has_kv = any(kind == "attention" for kind in self.cfg.layer_types)
+        room = max(64, self.max_context // 4) if room is None else int(room)
+        self.kv_slots = self.max_context + room if has_kv else 0
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.buckets = buckets(self.max_batch)
+        self._lock, self._wake = threading.Lock(), threading.Condition(threading.Lock())
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._prefills: collections.deque[_Prefill] = collections.deque()
+        self._running, self._thread = False, None
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._reset_batch(self.buckets[0])
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def check(self, ids: list[int], sampling: SamplingConfig) -> None:
+        """GenerationError when a prompt and its completion do not fit max_context."""
+        total = len(ids) + sampling.max_new_tokens
+        if total > self.max_context:
+            raise GenerationError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({sampling.max_new_tokens}) is {total} tokens, more "
+                f"than this server's context of {self.max_context}"
+            )
+
+    def submit(self, request: Request) -> None:
+        """Queue a request (GenerationError if it cannot fit, Overloaded if the queue is full)."""
+        self.check(request.ids, request.sampling)
+        with self._lock:
+            busy = len(self._waiting) + len(self._prefills) + self.active
+            if busy >= self.max_batch + self.max_queue:
+                raise Overloaded(f"{self.max_batch} slots busy and {self.max_queue} requests waiting")
+            self._waiting.append(request)
+        self._notify()
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (from any thread); its slot is freed at the engine's next turn and it ends "cancelled"."""
+        request.cancelled = True
+        self._notify()
+
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "active": self.active,
+            "waiting": len(self._waiting),
+            "prefilling": len(self._prefills),
+            "rows": len(self.slots),
+            "prefix_cache": self.prefix.stats.as_dict() | {"bytes": self.prefix.bytes},
+            **self.counters,
+        }
+
+    # ------------------------------------------------------------------------------------------------ the thread
+
+    def start(self) -> None:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="granite-jax-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel what is left and end the thread."""
+        with self._lock:
+            for request in [*self._waiting, *(p.request for p in self._prefills), *filter(None, self.slots)]:
+                request.cancelled = True
+        self._notify()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._busy() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.01)
+        self._running = False
+        self._notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _busy(self) -> bool:
+        return bool(self._waiting or self._prefills or self.active)
+
+    def _loop(self) -> None:
+        while self._running:
+            if not self._busy():
+                with self._wake:
+                    self._wake.wait(0.05)
+                continue
+            self.turn()
+
+    def turn(self) -> None:
+        """One turn of the loop: cancellations, admissions, a prefill piece, a decode step."""
+        self._take_cancellations()
+        self._admit()
+        if self._prefills:
+            self._prefill_piece(self._prefills[0])
+        if self.active:
+            self._decode_step()
+        elif len(self.slots) > self.buckets[0] and not self._prefills:
+            self._resize(self.buckets[0])
+
+    def _take_cancellations(self) -> None:
+        with self._lock:
+            gone = [r for r in self._waiting if r.cancelled]
+            for r in gone:
+                self._waiting.remove(r)
+        for r in gone:
+            r.finish("cancelled")
+        for job in [p for p in self._prefills if p.request.cancelled]:
+            self._prefills.remove(job)
+            job.request.finish("cancelled")
+        for row, r in enumerate(self.slots):
+            if r is not None and r.cancelled:
+                self._free(row, "cancelled")
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting and self.active + len(self._prefills) < self.max_batch:
+                request = self._waiting.popleft()
+                try:
+                    self._prefills.append(self._start_prefill(request))
+                except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
+                    self._fail(request, e)
+
+    # ------------------------------------------------------------------------------------------------ prefill
+
+    def _start_prefill(self, request: Request) -> _Prefill:
+        ids = request.ids
+        done, snapshot = self.prefix.lookup(ids) if self.prefix.enabled else (0, None)
+        if snapshot is None:
+            cache = self.generator.steps.cache(1, self.kv_slots, np.zeros((1,), np.int32))
+        else:
+            cache = rows.untrimmed(snapshot, self.kv_slots)
+        request.cached_tokens = done
+        params = jax.device_put(SamplingConfig.row_params([request.sampling]))
+        return _Prefill(request, cache, done, self.prefix.cut_points(ids, done), params)
+
+    def _prefill_piece(self, job: _Prefill) -> None:
+        request, ids = job.request, job.request.ids
+        budget = self.prefill_budget if self.active else self.prefill_chunk
+        stop = next((c for c in job.cuts if c > job.done), len(ids))
+        n = piece_length(stop - job.done, budget)
+        try:
+            tokens = np.asarray([ids[job.done : job.done + n]], np.int32)
+            logits, first, job.cache = self.prefill(job.cache, tokens, job.params)
+            job.done += n
+            self.counters["prefill_tokens"] += n
+            if job.done in job.cuts:
+                self.prefix.add(ids[: job.done], rows.trimmed(job.cache, _kv_bucket(job.done, self.kv_slots)))
+            if job.done == len(ids):
+                self._prefills.popleft()
+                if request.logprobs:
+                    request.token_logprobs.append(float(rows.chosen_logprobs(logits, first)[0]))
+                self._join(request, job.cache, int(first[0]))
+        except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
+            self._prefills.popleft()
+            self._fail(request, e)
+
+    def prefill(self, cache: Cache, tokens: np.ndarray, params) -> tuple[jax.Array, jax.Array, Cache]:
+        """One prefill piece of one row: (logits, sampled token (1,), cache)."""
+        step = np.zeros((1,), np.int32)
+        return self.generator.steps.prefill(self.generator.prepared(1), cache, tokens, params, step)
+
+    def _join(self, request: Request, cache: Cache, first: int) -> None:
+        stop_ids = self.cfg.eos_token_id if request.sampling.stop_token_ids is None else request.sampling.stop_token_ids
+        request.stream = RowStream(
+            0, self.generator.tokenizer, frozenset(stop_ids), request.sampling.stop_strings,
+            lambda _, text: request.on_text(text),
+        )  # fmt: skip
+        if self._push(request, first):
+            return
+        length = len(request.ids)
+        if self.clock < length:  # the newcomer's first slot would be before slot 0: move everyone later
+            self._reclock(self.clock - length)
+        if None not in self.slots:
+            self._resize(next(b for b in self.buckets if b > len(self.slots)))
+        row = self.slots.index(None)
+        self.cache = rows.insert(self.cache, cache, np.int32(row))
+        self.tokens = rows.set_token(self.tokens, np.int32(row), np.int32(first))
+        self.slots[row], self.starts[row], self.token_index[row] = request, self.clock - length, 1
+        self._params = None
+
+    # ------------------------------------------------------------------------------------------------ decode
+
+    def _decode_step(self) -> None:
+        if self.kv_slots and self.clock + 1 > self.kv_slots:
+            self._reclock(self.clock - max(self.clock - self.starts[r] for r, req in enumerate(self.slots) if req))
+        if self._params is None:
+            configs = [r.sampling if r is not None else SamplingConfig() for r in self.slots]
+            self._params = jax.device_put(SamplingConfig.row_params(configs))
+        prepared = self.generator.prepared(len(self.slots))
+        try:
+            logits, self.tokens, self.cache = self.generator.steps.decode(
+                prepared, self.cache, self.tokens, self._params, self.token_index.copy()
+            )
+            ids = np.asarray(self.tokens)
+            wanted = any(r is not None and r.logprobs for r in self.slots)
+            logprobs = np.asarray(rows.chosen_logprobs(logits, self.tokens)) if wanted else None
+        except Exception as e:  # noqa: BLE001 - every row's step failed: they end, the server goes on
+            for row, request in enumerate(self.slots):
+                if request is not None:
+                    self.slots[row] = None
+                    self._fail(request, e)
+            self._reset_batch(len(self.slots))
+            return
+        self.clock += 1
+        self.counters["decode_steps"] += 1
+        for row, request in enumerate(self.slots):
+            if request is not None:
+                self.token_index[row] += 1
+                self.counters["decode_tokens"] += 1
+                if request.logprobs:
+                    request.token_logprobs.append(float(logprobs[row]))
+                if self._push(request, int(ids[row])):
+                    self._free(row, None)
+        if self.active <= len(self.slots) // 2 and not self._waiting and not self._prefills:
+            self._resize(next(b for b in self.buckets if b >= self.active))
+
+    def _push(self, request: Request, token: int) -> bool:
+        """Give a request its next token; True when it has finished (stop, or its max_tokens reached)."""
+        stream = request.stream
+        stream.push(token)
+        if stream.done or len(stream.ids) >= request.sampling.max_new_tokens:
+            stream.finish()
+            request.finish(FINISH_REASONS[stream.finish_reason])
+            return True
+        return False
+
+    def _free(self, row: int, reason: str | None) -> None:
+        request, self.slots[row], self.token_index[row] = self.slots[row], None, 0
+        self._params = None
+        if reason is not None:
+            request.finish(reason)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        self.counters["errors"] += 1
+        request.finish("error", f"{type(error).__name__}: {error}")
+
+    # ------------------------------------------------------------------------------------------------ the batch
+
+    def _reset_batch(self, size: int) -> None:
+        steps = self.generator.steps
+        self.cache = steps.cache(size, self.kv_slots, np.zeros((size,), np.int32))
+        self.tokens = jnp.zeros((size,), jnp.int32)
+        self.slots: list[Request | None] = [None] * size
+        self.starts, self.token_index = np.zeros(size, np.int64), np.zeros(size, np.int32)  # slot, token index
+        self.clock, self._params = 0, None
+
+    def _reclock(self, shift: int) -> None:
+        self.cache = rows.reclock(self.cache, np.int32(shift))
+        self.clock -= shift
+        self.starts -= shift
+        self.counters["reclocks"] += 1
+
+    def _resize(self, size: int) -> None:
+        """The batch as `size` rows: the rows in use first (in order), then empty ones."""
+        used = [row for row, r in enumerate(self.slots) if r is not None]
+        index = np.asarray(used + [-1] * (size - len(used)), np.int32)
+        self.cache, self.tokens = rows.take_rows(self.cache, self.tokens, index)
+        self.slots = [self.slots[r] for r in used] + [None] * (size - len(used))
+        self.starts = np.concatenate([self.starts[used], np.full(size - len(used), self.clock)])
+        self.token_index = np.concatenate([self.token_index[used], np.zeros(size - len(used), np.int32)])
+        self._params = None
+        self.counters["resizes"] += 1
+
+    # ------------------------------------------------------------------------------------------------ warm-up
+
+    def warmup(self) -> None:
+        """Compile every shape serving can meet: each batch bucket's decode step and row moves, each prefill piece,
+        each snapshot size (so that no request waits for a compilation)."""
+        steps, params1 = self.generator.steps, jax.device_put(SamplingConfig.row_params([SamplingConfig()]))
+        one = steps.cache(1, self.kv_slots, np.zeros((1,), np.int32))
+        n = 1
+        while n <= min(self.prefill_chunk, self.max_context):
+            logits, first, one = self.prefill(one, np.zeros((1, n), np.int32), params1)
+            rows.chosen_logprobs(logits, first)
+            one = rows.reclock(one, np.int32(n))  # back to index 0
+            n *= 2
+        for size in self.buckets:
+            self._reset_batch(size)
+            self.cache = rows.insert(self.cache, one, np.int32(0))
+            self.tokens = rows.set_token(self.tokens, np.int32(0), np.int32(0))
+            configs = SamplingConfig.row_params([SamplingConfig()] * size)
+            logits, self.tokens, self.cache = steps.decode(
+                self.generator.prepared(size), self.cache, self.tokens, jax.device_put(configs), self.token_index.copy()
+            )
+            rows.chosen_logprobs(logits, self.tokens)
+            self.cache = rows.reclock(self.cache, np.int32(0))
+            for other in self.buckets:
+                rows.take_rows(self.cache, self.tokens, np.full((other,), -1, np.int32))
+        if self.prefix.enabled:
+            for slots in buckets(self.kv_slots) if self.kv_slots else [0]:
+                rows.untrimmed(rows.trimmed(one, slots), self.kv_slots)
+        jax.block_until_ready(self.cache)
+        self._reset_batch(self.buckets[0])
+
+
+def _kv_bucket(n: int, slots: int) -> int:
+    """KV slots a snapshot of n tokens keeps: the next power of two, within the cache."""
+    return min(next_power_of_two(max(n, 1)), slots)
