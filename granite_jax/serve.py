@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -160,6 +161,9 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     engine.start()
     print(f"serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again for the handler it found: a no-op one
+    # makes that shutdown exit with status 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:

@@ -27,9 +27,19 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["nope", "rope"])
-def generator(request, hf_checkpoint) -> Generator:
-    return Generator(hf_checkpoint(position_embedding_type=request.param, max_position_embeddings=512))
+def untied(hf_checkpoint, **config) -> Generator:
+    # An untied head: a random model's tokens then depend on its state (tied, it repeats its last input token).
+    return Generator(hf_checkpoint(tie_word_embeddings=False, **config))
+
+
+@pytest.fixture(scope="module")
+def generator(hf_checkpoint) -> Generator:
+    return untied(hf_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def rope_generator(hf_checkpoint) -> Generator:
+    return untied(hf_checkpoint, position_embedding_type="rope", max_position_embeddings=512)
 
 
 def small_engine(generator: Generator, **options) -> Engine:
@@ -57,26 +67,36 @@ def ids_of(generator: Generator, prompt: str) -> list[int]:
     return generator.prompts.encode(prompt)[1][0]
 
 
-def assert_logprobs_of_one_forward(generator: Generator, ids: list[int], outcome) -> None:
-    """The log-probabilities the engine reported for its tokens are the model's over the whole text at once: each
+def assert_logprobs_of_one_forward(generator: Generator, prompts: list[list[int]], outcomes: list) -> None:
+    """The log-probabilities the engine reported for its tokens are the model's over each whole text at once: each
     token saw exactly its own sequence's states (greedy tokens alone are a weak check on a random model)."""
-    generated = list(outcome.token_ids)
-    logits = generator.model(np.asarray([ids + generated[:-1]], np.int32))[0, len(ids) - 1 :]
-    expected = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)[np.arange(len(generated)), generated]
-    np.testing.assert_allclose(outcome.logprobs, expected, atol=2e-5, rtol=0)
+    texts = [ids + list(o.token_ids[:-1]) for ids, o in zip(prompts, outcomes)]
+    width = max(map(len, texts))
+    pad = np.asarray([width - len(t) for t in texts], np.int32)
+    tokens = np.asarray([[0] * p + t for p, t in zip(pad, texts)], np.int32)
+    logprobs = jax.nn.log_softmax(generator.model(tokens, pad=pad).astype(jnp.float32), axis=-1)
+    for row, outcome in enumerate(outcomes):
+        generated = list(outcome.token_ids)
+        positions = width - len(generated) + np.arange(len(generated))  # the ones predicting them
+        expected = logprobs[row, positions, generated]
+        np.testing.assert_allclose(outcome.logprobs, expected, atol=2e-5, rtol=0)
 
 
-def test_joining_and_leaving_requests_get_the_tokens_they_get_alone(generator):
+@pytest.mark.parametrize("positions", ["nope", "rope"])
+def test_joining_and_leaving_requests_get_the_tokens_they_get_alone(positions, request):
+    generator = request.getfixturevalue("generator" if positions == "nope" else "rope_generator")
     engine = small_engine(generator)
     sampling = [SamplingConfig(max_new_tokens=6 + 3 * i, stop_token_ids=()) for i in range(len(PROMPTS))]
-    outcomes = run(engine, [(ids_of(generator, p), s) for p, s in zip(PROMPTS, sampling)])
-    for prompt, s, outcome in zip(PROMPTS, sampling, outcomes):
+    prompts = [ids_of(generator, p) for p in PROMPTS]
+    outcomes = run(engine, list(zip(prompts, sampling)))
+    assert_logprobs_of_one_forward(generator, prompts, outcomes)
+    for prompt, s, outcome in zip(PROMPTS[:3], sampling, outcomes):
         alone = generator.generate(prompt, s)[0]
         assert outcome.token_ids == alone.token_ids, prompt
         assert outcome.text == alone.text and outcome.finish_reason == "length"
-        assert_logprobs_of_one_forward(generator, ids_of(generator, prompt), outcome)
     # The batch grew and shrank, rows moved back along the clock, and prompts ran in pieces beside decoding rows.
     assert engine.counters["reclocks"] > 0 and engine.counters["resizes"] > 0
+    assert engine.counters["fed_tokens"] > 0
     assert engine.active == 0 and len(engine.slots) == 1
 
 
@@ -94,23 +114,29 @@ def test_rows_sample_with_their_own_options_as_alone(generator):
         assert outcome.token_ids == generator.generate(prompt, s)[0].token_ids, (prompt, s)
 
 
-def test_prefix_cache_reuses_state_and_changes_no_token(generator):
+@pytest.mark.parametrize("join_every", [40, 2])  # one at a time: snapshots at prefill pieces; together: from rows
+def test_prefix_cache_reuses_state_and_changes_no_token(generator, join_every):
     system = "Granite is a family of language models. The hybrid design mixes Mamba-2 state space layers. "
-    prompts = [system + "The quick", system + "Long context", PROMPTS[0], system + "Long context", system + "def f"]
+    # A long unrelated request first, so that the later rows start past slot 0 of the batch's clock.
+    prompts = [PROMPTS[3] * 4, system + "The quick", system + "Long context", PROMPTS[0]]
+    prompts += [system + "Long context", system + "def f"]
     requests = [(ids_of(generator, p), SamplingConfig(max_new_tokens=8, stop_token_ids=())) for p in prompts]
-    plain = run(small_engine(generator, max_context=160, prefix_cache_bytes=0), requests, join_every=40)
-    cached_engine = small_engine(generator, max_context=160)
-    cached = run(cached_engine, requests, join_every=40)
+    requests[0] = (requests[0][0], SamplingConfig(max_new_tokens=40, stop_token_ids=()))
+    # The last two arrive once the others have ended (a snapshot is taken as the prompt is read).
+    plain_engine = small_engine(generator, max_context=160, prefix_cache_bytes=0)
+    plain = run(plain_engine, requests[:4], join_every) + run(plain_engine, requests[4:], join_every)
+    engine = small_engine(generator, max_context=160)
+    cached = run(engine, requests[:4], join_every) + run(engine, requests[4:], join_every)
     assert [o.token_ids for o in cached] == [o.token_ids for o in plain]
-    for (ids, _), outcome in zip(requests, cached):
-        assert_logprobs_of_one_forward(generator, ids, outcome)
+    assert_logprobs_of_one_forward(generator, [ids for ids, _ in requests], cached)
     shared = len(ids_of(generator, system))
-    # The second prompt found where it parts from the first; the third system-prompt user hits that snapshot and
-    # the repeated prompt hits its own, one token before its end.
-    assert [o.cached_tokens for o in cached][:2] == [0, 0]
-    assert cached[3].cached_tokens == len(requests[3][0]) - 1
-    assert shared - 2 <= cached[4].cached_tokens <= shared + 1
-    assert cached_engine.prefix.stats.hits == 2
+    # The second system-prompt user found where its prompt parts from the first's; the third hits that snapshot,
+    # and the repeated prompt hits its own, one token before its end.
+    assert [o.cached_tokens for o in cached][:3] == [0, 0, 0]
+    assert cached[4].cached_tokens == len(requests[4][0]) - 1
+    assert shared - 2 <= cached[5].cached_tokens <= shared + 1
+    assert engine.prefix.stats.hits == 2
+    assert (engine.counters["row_snapshots"] > 0) == (join_every == 2)
 
 
 def test_prefix_cache_stays_within_its_memory(generator):
@@ -147,7 +173,7 @@ def test_cancelled_and_failing_requests_free_their_slots(generator, monkeypatch)
     engine = small_engine(generator)
     ended: dict[str, object] = {}
     make = lambda name, n: Request(  # noqa: E731
-        ids_of(generator, PROMPTS[0]),
+        ids_of(generator, PROMPTS[1] if name == "bad" else PROMPTS[0]),
         SamplingConfig(max_new_tokens=n),
         lambda _: None,
         lambda o: ended.__setitem__(name, o),

@@ -53,11 +53,16 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's: generate max_tokens whatever the model says (load tests)
 
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     echo: Literal[False] = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # the chosen tokens' (0); more: not supported
+
+    def top_logprobs_asked(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(_Strict):
@@ -77,6 +82,11 @@ class Message(_Strict):
 class ChatRequest(_Sampling):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def top_logprobs_asked(self) -> int:
+        return self.top_logprobs or 0
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -148,6 +158,8 @@ def _sampling(engine: Engine, body: _Sampling, prompt_len: int, default_max: int
     max_tokens = body.max_tokens if body.max_tokens is not None else min(default_max or room, room)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     options: dict[str, Any] = dict(max_new_tokens=max_tokens, stop_strings=stop, temperature=body.temperature)
+    if body.ignore_eos:
+        options["stop_token_ids"] = ()
     if body.temperature > 0:
         seed = body.seed if body.seed is not None else secrets.randbits(32)
         options |= dict(top_p=body.top_p, top_k=max(body.top_k, 0), seed=seed)
@@ -157,6 +169,11 @@ def _sampling(engine: Engine, body: _Sampling, prompt_len: int, default_max: int
 async def _serve(engine: Engine, name: str, body: _Sampling, ids: list[int], http: Request, *, chat: bool, default_max):
     if body.model is not None and body.model != name:
         return error_body(404, f"model {body.model!r} is not served here; this server serves {name!r}", "model")
+    logprobs = body.logprobs is not None and body.logprobs is not False
+    if body.top_logprobs_asked():
+        return error_body(400, "top logprobs are not supported: ask for the chosen tokens' only (0)", "logprobs")
+    if logprobs and body.stream:
+        return error_body(400, "logprobs are not streamed: ask for them without stream", "logprobs")
     try:
         sampling = _sampling(engine, body, len(ids), default_max)
         engine.check(ids, sampling)
@@ -168,12 +185,13 @@ async def _serve(engine: Engine, name: str, body: _Sampling, ids: list[int], htt
         sampling,
         on_text=lambda delta: loop.call_soon_threadsafe(events.put_nowait, delta),
         on_done=lambda outcome: loop.call_soon_threadsafe(events.put_nowait, outcome),
+        logprobs=logprobs,
     )
     try:
         engine.submit(request)
     except Overloaded as e:
         return error_body(503, f"the server is at capacity ({e}); retry after {RETRY_AFTER_S} s")
-    shape = _Shape(chat, name, body)
+    shape = _Shape(chat, name, body, engine.generator.tokenizer)
     # The first event decides the status: a request the model fails on before its first token is a 500, streamed
     # or not.
     event = await _next_event(engine, request, events, http, until_done=not body.stream)
@@ -233,8 +251,8 @@ def _event(payload: dict[str, Any]) -> str:
 class _Shape:
     """OpenAI's response objects for one request."""
 
-    def __init__(self, chat: bool, model: str, body: _Sampling):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, body: _Sampling, tokenizer):
+        self.chat, self.model, self.tokenizer = chat, model, tokenizer
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -255,12 +273,29 @@ class _Shape:
         return self._base(kind) | {"choices": [], "usage": _usage(outcome)}
 
     def response(self, outcome: Outcome) -> dict[str, Any]:
+        logprobs = None if outcome.logprobs is None else self._logprobs(outcome)
         if self.chat:
             message = {"role": "assistant", "content": outcome.text}
-            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
             return self._base("chat.completion") | {"choices": [choice], "usage": _usage(outcome)}
-        choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": outcome.text, "finish_reason": outcome.finish_reason, "logprobs": logprobs}
         return self._base("text_completion") | {"choices": [choice], "usage": _usage(outcome)}
+
+    def _logprobs(self, outcome: Outcome) -> dict[str, Any]:
+        """Each token's log-probability under the model, in OpenAI's chat or completions form."""
+        decode = (lambda i: self.tokenizer.decode([i])) if self.tokenizer is not None else str
+        tokens = [decode(i) for i in outcome.token_ids]
+        if self.chat:
+            content = [
+                {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, lp in zip(tokens, outcome.logprobs)
+            ]
+            return {"content": content}
+        offsets = [0]
+        for t in tokens[:-1]:
+            offsets.append(offsets[-1] + len(t))
+        logprobs = list(outcome.logprobs)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
 
 
 def _usage(outcome: Outcome) -> dict[str, Any]:

@@ -2,16 +2,21 @@
 
 One thread runs the device. Each turn of its loop:
 1. takes cancellations (a slot is freed at once) and admits waiting requests while slots are free;
-2. runs one piece of the oldest admitted prompt's prefill, in its own one-row cache: at most `prefill_budget` tokens
-   while other rows are decoding, so a long prompt delays their next token by about one step's time, not by its whole
-   prefill; when it is done, its first token is out and the row joins the batch (`rows.insert`);
+2. prefills admitted prompts in pieces, each in its own one-row cache, for about as long as a decode step takes
+   while rows are decoding (so a new prompt delays the running ones' next token by about one step), to the end when
+   none is; then the sequence joins the batch (`rows.insert`);
 3. runs one decode step for every row, each with its own sampling options and random stream
    (`SamplingConfig.row_params`), and pushes each row's token to its request, which stops on its own.
 
+A prompt's last tokens are not prefilled but fed to its row by the decode steps, one a step, as a generated token
+would be: the last one always (its logits come from the decode step, the only place tokens are sampled), and, while
+other rows are decoding, a tail shorter than `feed_below` tokens: a decode step costs about the same with or without
+those rows, so short tails ride along instead of costing prefill calls of their own.
+
 Shapes are bucketed so that joining never compiles: the batch has a power-of-two number of rows (grown when full,
-shrunk when at most half is used), and a prefill piece is a power of two of tokens (a prompt of n tokens runs as the
-binary digits of n: exact, no padding, at most log2(n) + 1 calls). `warmup` compiles every bucket before serving.
-The rows share one clock (`rows`). Prompts that begin like earlier ones start from a snapshot (`prefix`).
+shrunk when at most half is used), and a prefill piece is a power of two of tokens (pieces of n tokens run as the
+binary digits of n: exact, no padding). `warmup` compiles every bucket before serving. The rows share one clock
+(`rows`). Prompts that begin like earlier ones start from a snapshot (`prefix`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from granite_jax.errors import GenerationError
@@ -58,8 +62,9 @@ class Outcome:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """A prompt's token ids and how to sample them. `on_text(delta)` and `on_done(outcome)` are called from the
-    engine's thread: hand them over to another thread's loop, do not block in them."""
+    """A prompt's token ids and how to sample them. `on_text(delta)` is called once a generated token, with the text
+    it adds (empty while a character is incomplete or the text could begin a stop string), then `on_done(outcome)`
+    once. Both are called from the engine's thread: hand them over to another thread's loop, do not block in them."""
 
     ids: list[int]
     sampling: SamplingConfig
@@ -68,6 +73,7 @@ class Request:
     logprobs: bool = False  # keep each token's log-probability
     stream: RowStream | None = None
     token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)  # streamed text not yet handed to on_text
     cached_tokens: int = 0
     cancelled: bool = False
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
@@ -84,7 +90,16 @@ class _Prefill:
     cache: Cache  # one row, its own clock
     done: int  # prompt tokens in the cache
     cuts: list[int]  # where to take prefix snapshots
-    params: Any  # the request's sampling options as one row
+
+
+@dataclasses.dataclass
+class _Row:
+    request: Request
+    start: int  # the slot of its first token
+    feed: collections.deque[int]  # prompt tokens still to be fed, one a decode step
+    consumed: int  # prompt tokens in the state
+    cuts: list[int]  # prefix snapshots still to take, at these prompt lengths
+    drawn: int = 0  # tokens generated (the index of the next one's random draw)
 
 
 def buckets(limit: int) -> list[int]:
@@ -101,10 +116,11 @@ class Engine:
     """A Generator's model serving requests by continuous batching (see the module's docstring).
 
     max_batch: decode slots (rows). max_context: the longest prompt plus completion a request may have.
-    prefill_chunk: longest prefill piece when no row is decoding; prefill_budget: while some are. max_queue: requests
-    waiting for a slot, beyond which `submit` raises Overloaded. prefix_cache_bytes: memory for prefix snapshots
-    (0: no prefix caching). room: KV slots beyond max_context (None: a quarter of it, at least 64), which bounds how
-    often the rows move back along the clock (`rows.reclock`).
+    prefill_chunk: longest prefill piece when no row is decoding; prefill_budget: while some are. feed_below: while
+    rows are decoding, prompt tails shorter than this are fed by decode steps instead of prefilled. max_queue:
+    requests waiting for a slot, beyond which `submit` raises Overloaded. prefix_cache_bytes: memory for prefix
+    snapshots (0: no prefix caching). room: KV slots beyond max_context (None: a quarter of it, at least 64), which
+    bounds how often the rows move back along the clock (`rows.reclock`).
     """
 
     def __init__(
@@ -115,6 +131,7 @@ class Engine:
         max_context: int = 4096,
         prefill_chunk: int = 256,
         prefill_budget: int = 32,
+        feed_below: int = 16,
         max_queue: int = 64,
         prefix_cache_bytes: int = 1 << 30,
         room: int | None = None,
@@ -122,6 +139,7 @@ class Engine:
         self.generator, self.cfg = generator, generator.cfg
         self.max_batch, self.max_context, self.max_queue = int(max_batch), int(max_context), int(max_queue)
         self.prefill_chunk, self.prefill_budget = int(prefill_chunk), int(min(prefill_budget, prefill_chunk))
+        self.feed_below = int(feed_below)
         if self.cfg.rope_theta is not None and self.max_context > self.cfg.max_position_embeddings:
             raise GenerationError(
                 f"max_context={self.max_context} is past this RoPE model's max_position_embeddings="
@@ -137,6 +155,8 @@ class Engine:
         self._prefills: collections.deque[_Prefill] = collections.deque()
         self._running, self._thread = False, None
         self.counters: collections.Counter[str] = collections.Counter()
+        self.step_seconds = 0.0  # a decode step's time (moving average): the prefill's share of a turn
+        self._piece_seconds: dict[int, float] = {}  # a prefill piece's time by its length (moving averages)
         self._reset_batch(self.buckets[0])
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -189,8 +209,10 @@ class Engine:
     def stop(self, timeout: float | None = None) -> None:
         """Cancel what is left and end the thread."""
         with self._lock:
-            for request in [*self._waiting, *(p.request for p in self._prefills), *filter(None, self.slots)]:
+            for request in [*self._waiting, *(p.request for p in self._prefills)]:
                 request.cancelled = True
+            for row in filter(None, self.slots):
+                row.request.cancelled = True
         self._notify()
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._busy() and (deadline is None or time.monotonic() < deadline):
@@ -216,11 +238,10 @@ class Engine:
             self.turn()
 
     def turn(self) -> None:
-        """One turn of the loop: cancellations, admissions, a prefill piece, a decode step."""
+        """One turn of the loop: cancellations, admissions, prefill pieces, a decode step."""
         self._take_cancellations()
         self._admit()
-        if self._prefills:
-            self._prefill_piece(self._prefills[0])
+        self._prefill_for_a_step()
         if self.active:
             self._decode_step()
         elif len(self.slots) > self.buckets[0] and not self._prefills:
@@ -236,9 +257,9 @@ class Engine:
         for job in [p for p in self._prefills if p.request.cancelled]:
             self._prefills.remove(job)
             job.request.finish("cancelled")
-        for row, r in enumerate(self.slots):
-            if r is not None and r.cancelled:
-                self._free(row, "cancelled")
+        for index, row in enumerate(self.slots):
+            if row is not None and row.request.cancelled:
+                self._free(index, "cancelled")
 
     def _admit(self) -> None:
         with self._lock:
@@ -259,105 +280,157 @@ class Engine:
         else:
             cache = rows.untrimmed(snapshot, self.kv_slots)
         request.cached_tokens = done
-        params = jax.device_put(SamplingConfig.row_params([request.sampling]))
-        return _Prefill(request, cache, done, self.prefix.cut_points(ids, done), params)
+        request.stream = self._row_stream(request)
+        return _Prefill(request, cache, done, self.prefix.cut_points(ids, done))
 
-    def _prefill_piece(self, job: _Prefill) -> None:
-        request, ids = job.request, job.request.ids
-        budget = self.prefill_budget if self.active else self.prefill_chunk
-        stop = next((c for c in job.cuts if c > job.done), len(ids))
-        n = piece_length(stop - job.done, budget)
-        try:
-            tokens = np.asarray([ids[job.done : job.done + n]], np.int32)
-            logits, first, job.cache = self.prefill(job.cache, tokens, job.params)
-            job.done += n
-            self.counters["prefill_tokens"] += n
-            if job.done in job.cuts:
-                self.prefix.add(ids[: job.done], rows.trimmed(job.cache, _kv_bucket(job.done, self.kv_slots)))
-            if job.done == len(ids):
+    def _prefill_for_a_step(self) -> None:
+        """Prefill pieces for about a decode step's time while rows are decoding (at least one piece, and no piece
+        predicted to end past the step's time after the first), or until every admitted prompt has joined when none
+        is."""
+        start = time.perf_counter()
+        ran = False
+        while self._prefills:
+            job = self._prefills[0]
+            try:
+                n = self._next_piece(job)
+                if n and ran and self.active:
+                    predicted = self._piece_seconds.get(n, self.step_seconds)
+                    if time.perf_counter() - start + predicted > self.step_seconds:
+                        return
+                if n:
+                    self._run_piece(job, n)
+                    ran = True
+                else:
+                    self._prefills.popleft()
+                    self._join(job)
+            except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
                 self._prefills.popleft()
-                if request.logprobs:
-                    request.token_logprobs.append(float(rows.chosen_logprobs(logits, first)[0]))
-                self._join(request, job.cache, int(first[0]))
-        except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
-            self._prefills.popleft()
-            self._fail(request, e)
+                self._fail(job.request, e)
 
-    def prefill(self, cache: Cache, tokens: np.ndarray, params) -> tuple[jax.Array, jax.Array, Cache]:
-        """One prefill piece of one row: (logits, sampled token (1,), cache)."""
-        step = np.zeros((1,), np.int32)
-        return self.generator.steps.prefill(self.generator.prepared(1), cache, tokens, params, step)
+    def _next_piece(self, job: _Prefill) -> int:
+        """The length of the job's next piece: a power of two up to the next snapshot point or to the prompt's last
+        token; 0 when the rest is for the decode steps to feed."""
+        ids = job.request.ids
+        target = next((c for c in job.cuts if c > job.done), len(ids) - 1)
+        remaining = target - job.done
+        if target == len(ids) - 1 and (remaining == 0 or (self.active and remaining < self.feed_below)):
+            return 0
+        return piece_length(remaining, self.prefill_budget if self.active else self.prefill_chunk)
 
-    def _join(self, request: Request, cache: Cache, first: int) -> None:
-        stop_ids = self.cfg.eos_token_id if request.sampling.stop_token_ids is None else request.sampling.stop_token_ids
-        request.stream = RowStream(
-            0, self.generator.tokenizer, frozenset(stop_ids), request.sampling.stop_strings,
-            lambda _, text: request.on_text(text),
+    def _run_piece(self, job: _Prefill, n: int) -> None:
+        ids, started = job.request.ids, time.perf_counter()
+        tokens = np.asarray([ids[job.done : job.done + n]], np.int32)
+        job.cache = self.prefill(job.cache, tokens)
+        jax.block_until_ready(job.cache.index)
+        seconds = time.perf_counter() - started
+        self._piece_seconds[n] = 0.8 * self._piece_seconds.get(n, seconds) + 0.2 * seconds
+        job.done += n
+        self.counters["prefill_tokens"] += n
+        if job.done in job.cuts:
+            self.prefix.add(ids[: job.done], rows.trimmed(job.cache, _kv_bucket(job.done, self.kv_slots)))
+
+    def prefill(self, cache: Cache, tokens: np.ndarray) -> Cache:
+        """One prefill piece (1, n) of one row's prompt: the cache after it."""
+        greedy, step = self._greedy_row, np.zeros((1,), np.int32)
+        return self.generator.steps.prefill(self.generator.prepared(1), cache, tokens, greedy, step)[2]
+
+    def _row_stream(self, request: Request) -> RowStream:
+        stops = self.cfg.eos_token_id if request.sampling.stop_token_ids is None else request.sampling.stop_token_ids
+        return RowStream(
+            0, self.generator.tokenizer, frozenset(stops), request.sampling.stop_strings,
+            lambda _, text: request.text.append(text),
         )  # fmt: skip
-        if self._push(request, first):
-            return
-        length = len(request.ids)
-        if self.clock < length:  # the newcomer's first slot would be before slot 0: move everyone later
+
+    def _join(self, job: _Prefill) -> None:
+        """The prefilled sequence takes a row; the rest of its prompt is fed by the decode steps."""
+        request, length = job.request, job.done
+        if self.clock < length:  # its first slot would be before slot 0: move everyone later
             self._reclock(self.clock - length)
         if None not in self.slots:
             self._resize(next(b for b in self.buckets if b > len(self.slots)))
-        row = self.slots.index(None)
-        self.cache = rows.insert(self.cache, cache, np.int32(row))
-        self.tokens = rows.set_token(self.tokens, np.int32(row), np.int32(first))
-        self.slots[row], self.starts[row], self.token_index[row] = request, self.clock - length, 1
+        index = self.slots.index(None)
+        self.cache = rows.insert(self.cache, job.cache, np.int32(index))
+        feed = collections.deque(request.ids[length:])
+        cuts = [c for c in job.cuts if c > length]
+        self.slots[index] = _Row(request, self.clock - length, feed, length, cuts)
+        self.inputs[index] = feed.popleft()
         self._params = None
 
     # ------------------------------------------------------------------------------------------------ decode
 
     def _decode_step(self) -> None:
         if self.kv_slots and self.clock + 1 > self.kv_slots:
-            self._reclock(self.clock - max(self.clock - self.starts[r] for r, req in enumerate(self.slots) if req))
+            self._reclock(self.clock - max(self.clock - row.start for row in self.slots if row is not None))
         if self._params is None:
-            configs = [r.sampling if r is not None else SamplingConfig() for r in self.slots]
+            configs = [SamplingConfig() if row is None else row.request.sampling for row in self.slots]
             self._params = jax.device_put(SamplingConfig.row_params(configs))
+        drawn = np.asarray([0 if row is None else row.drawn for row in self.slots], np.int32)
         prepared = self.generator.prepared(len(self.slots))
+        started = time.perf_counter()
         try:
-            logits, self.tokens, self.cache = self.generator.steps.decode(
-                prepared, self.cache, self.tokens, self._params, self.token_index.copy()
+            logits, tokens, self.cache = self.generator.steps.decode(
+                prepared, self.cache, self.inputs.copy(), self._params, drawn
             )
-            ids = np.asarray(self.tokens)
-            wanted = any(r is not None and r.logprobs for r in self.slots)
-            logprobs = np.asarray(rows.chosen_logprobs(logits, self.tokens)) if wanted else None
+            ids = np.asarray(tokens)
+            wanted = any(row is not None and row.request.logprobs and not row.feed for row in self.slots)
+            logprobs = np.asarray(rows.chosen_logprobs(logits, tokens)) if wanted else None
         except Exception as e:  # noqa: BLE001 - every row's step failed: they end, the server goes on
-            for row, request in enumerate(self.slots):
-                if request is not None:
-                    self.slots[row] = None
-                    self._fail(request, e)
+            for index, row in enumerate(self.slots):
+                if row is not None:
+                    self.slots[index] = None
+                    self._fail(row.request, e)
             self._reset_batch(len(self.slots))
             return
+        seconds = time.perf_counter() - started
+        self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
         self.clock += 1
         self.counters["decode_steps"] += 1
-        for row, request in enumerate(self.slots):
-            if request is not None:
-                self.token_index[row] += 1
-                self.counters["decode_tokens"] += 1
-                if request.logprobs:
-                    request.token_logprobs.append(float(logprobs[row]))
-                if self._push(request, int(ids[row])):
-                    self._free(row, None)
+        for index, row in enumerate(self.slots):
+            if row is not None:
+                self._advance(index, row, int(ids[index]), None if logprobs is None else float(logprobs[index]))
         if self.active <= len(self.slots) // 2 and not self._waiting and not self._prefills:
             self._resize(next(b for b in self.buckets if b >= self.active))
+
+    def _advance(self, index: int, row: _Row, token: int, logprob: float | None) -> None:
+        """After a step: a row still reading its prompt takes its next prompt token (the sampled one is not its);
+        a generating row's token goes to its request, and is its next input unless the request has finished."""
+        if row.feed:
+            row.consumed += 1
+            if row.consumed in row.cuts:
+                snapshot = rows.extracted(self.cache, np.int32(index), np.int32(row.start))
+                slots = _kv_bucket(row.consumed, self.kv_slots)
+                self.prefix.add(row.request.ids[: row.consumed], rows.trimmed(snapshot, slots))
+                self.counters["row_snapshots"] += 1
+            self.inputs[index] = row.feed.popleft()
+            self.counters["fed_tokens"] += 1
+            return
+        self.counters["decode_tokens"] += 1
+        row.drawn += 1
+        if row.request.logprobs:
+            row.request.token_logprobs.append(logprob)
+        if self._push(row.request, token):
+            self._free(index, None)
+        else:
+            self.inputs[index] = token
 
     def _push(self, request: Request, token: int) -> bool:
         """Give a request its next token; True when it has finished (stop, or its max_tokens reached)."""
         stream = request.stream
         stream.push(token)
-        if stream.done or len(stream.ids) >= request.sampling.max_new_tokens:
+        finished = stream.done or len(stream.ids) >= request.sampling.max_new_tokens
+        if finished:
             stream.finish()
+        request.on_text("".join(request.text))
+        request.text.clear()
+        if finished:
             request.finish(FINISH_REASONS[stream.finish_reason])
-            return True
-        return False
+        return finished
 
-    def _free(self, row: int, reason: str | None) -> None:
-        request, self.slots[row], self.token_index[row] = self.slots[row], None, 0
+    def _free(self, index: int, reason: str | None) -> None:
+        row, self.slots[index], self.inputs[index] = self.slots[index], None, 0
         self._params = None
         if reason is not None:
-            request.finish(reason)
+            row.request.finish(reason)
 
     def _fail(self, request: Request, error: Exception) -> None:
         self.counters["errors"] += 1
@@ -368,25 +441,24 @@ class Engine:
     def _reset_batch(self, size: int) -> None:
         steps = self.generator.steps
         self.cache = steps.cache(size, self.kv_slots, np.zeros((size,), np.int32))
-        self.tokens = jnp.zeros((size,), jnp.int32)
-        self.slots: list[Request | None] = [None] * size
-        self.starts, self.token_index = np.zeros(size, np.int64), np.zeros(size, np.int32)  # slot, token index
+        self.slots: list[_Row | None] = [None] * size
+        self.inputs = np.zeros(size, np.int32)  # each row's next input token
         self.clock, self._params = 0, None
+        self._greedy_row = jax.device_put(SamplingConfig.row_params([SamplingConfig()]))
 
     def _reclock(self, shift: int) -> None:
         self.cache = rows.reclock(self.cache, np.int32(shift))
         self.clock -= shift
-        self.starts -= shift
+        for row in filter(None, self.slots):
+            row.start -= shift
         self.counters["reclocks"] += 1
 
     def _resize(self, size: int) -> None:
         """The batch as `size` rows: the rows in use first (in order), then empty ones."""
-        used = [row for row, r in enumerate(self.slots) if r is not None]
-        index = np.asarray(used + [-1] * (size - len(used)), np.int32)
-        self.cache, self.tokens = rows.take_rows(self.cache, self.tokens, index)
-        self.slots = [self.slots[r] for r in used] + [None] * (size - len(used))
-        self.starts = np.concatenate([self.starts[used], np.full(size - len(used), self.clock)])
-        self.token_index = np.concatenate([self.token_index[used], np.zeros(size - len(used), np.int32)])
+        used = [index for index, row in enumerate(self.slots) if row is not None]
+        self.cache = rows.take_rows(self.cache, np.asarray(used + [-1] * (size - len(used)), np.int32))
+        self.slots = [self.slots[i] for i in used] + [None] * (size - len(used))
+        self.inputs = np.concatenate([self.inputs[used], np.zeros(size - len(used), np.int32)])
         self._params = None
         self.counters["resizes"] += 1
 
@@ -395,26 +467,24 @@ class Engine:
     def warmup(self) -> None:
         """Compile every shape serving can meet: each batch bucket's decode step and row moves, each prefill piece,
         each snapshot size (so that no request waits for a compilation)."""
-        steps, params1 = self.generator.steps, jax.device_put(SamplingConfig.row_params([SamplingConfig()]))
-        one = steps.cache(1, self.kv_slots, np.zeros((1,), np.int32))
+        one = self.generator.steps.cache(1, self.kv_slots, np.zeros((1,), np.int32))
         n = 1
         while n <= min(self.prefill_chunk, self.max_context):
-            logits, first, one = self.prefill(one, np.zeros((1, n), np.int32), params1)
-            rows.chosen_logprobs(logits, first)
-            one = rows.reclock(one, np.int32(n))  # back to index 0
+            one = rows.reclock(self.prefill(one, np.zeros((1, n), np.int32)), np.int32(n))  # back to slot 0
             n *= 2
         for size in self.buckets:
             self._reset_batch(size)
             self.cache = rows.insert(self.cache, one, np.int32(0))
-            self.tokens = rows.set_token(self.tokens, np.int32(0), np.int32(0))
-            configs = SamplingConfig.row_params([SamplingConfig()] * size)
-            logits, self.tokens, self.cache = steps.decode(
-                self.generator.prepared(size), self.cache, self.tokens, jax.device_put(configs), self.token_index.copy()
+            params = jax.device_put(SamplingConfig.row_params([SamplingConfig()] * size))
+            zeros = np.zeros(size, np.int32)
+            logits, tokens, self.cache = self.generator.steps.decode(
+                self.generator.prepared(size), self.cache, zeros, params, zeros
             )
-            rows.chosen_logprobs(logits, self.tokens)
+            rows.chosen_logprobs(logits, tokens)
             self.cache = rows.reclock(self.cache, np.int32(0))
+            rows.extracted(self.cache, np.int32(0), np.int32(0))
             for other in self.buckets:
-                rows.take_rows(self.cache, self.tokens, np.full((other,), -1, np.int32))
+                rows.take_rows(self.cache, np.full((other,), -1, np.int32))
         if self.prefix.enabled:
             for slots in buckets(self.kv_slots) if self.kv_slots else [0]:
                 rows.untrimmed(rows.trimmed(one, slots), self.kv_slots)

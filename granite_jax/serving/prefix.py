@@ -75,7 +75,7 @@ class PrefixCache:
         if not self.enabled:
             return []
         ids = tuple(ids)
-        points = {len(ids) - 1, self._shared_prefix(ids)}
+        points = {len(ids) - 1, min(self._shared_prefix(ids), len(ids) - 1)}
         self._prompts[ids] = None
         self._prompts.move_to_end(ids)
         while len(self._prompts) > REMEMBERED_PROMPTS:

@@ -21,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from granite_jax.model import Cache, KVState, MambaState
 
@@ -56,13 +57,21 @@ def insert(cache: Cache, sequence: Cache, row: Array) -> Cache:
 
 
 @jax.jit
-def take_rows(cache: Cache, tokens: Array, index: Array) -> tuple[Cache, Array]:
-    """The batch as len(index) rows: row i is the old row index[i], or empty for -1 (zero state, no slot in it);
-    with the rows' next input tokens (b,)."""
+def take_rows(cache: Cache, index: Array) -> Cache:
+    """The batch as len(index) rows: row i is the old row index[i], or empty for -1 (zero state, no slot in it)."""
     source = jnp.where(index >= 0, index, cache.pad.shape[0])  # past the rows: filled (a negative one would wrap)
     taken = jax.tree.map(lambda x: jnp.take(x, source, axis=0, mode="fill", fill_value=0), cache.layers)
     pad = jnp.where(index >= 0, jnp.take(cache.pad, source, mode="fill", fill_value=0), cache.index)
-    return Cache(taken, pad, cache.index), jnp.take(tokens, source, mode="fill", fill_value=0)
+    return Cache(taken, pad, cache.index)
+
+
+@jax.jit
+def extracted(cache: Cache, row: Array, start: Array) -> Cache:
+    """Row `row` of the batch (its first token at slot `start`) as a one-row cache on its own clock: its tokens in
+    slots [0, index), as a prefill leaves them (for a prefix snapshot)."""
+    one = jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, row, 1, axis=0), cache.layers)
+    layers = tuple(_moved(state, -start) for state in one)
+    return Cache(layers, jnp.zeros((1,), jnp.int32), cache.index - start)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -90,11 +99,6 @@ def untrimmed(snapshot: Cache, slots: int) -> Cache:
         for s in snapshot.layers
     )
     return Cache(layers, jnp.copy(snapshot.pad), jnp.copy(snapshot.index))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def set_token(tokens: Array, row: Array, token: Array) -> Array:
-    return tokens.at[row].set(token)
 
 
 @jax.jit

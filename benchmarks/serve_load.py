@@ -1,0 +1,192 @@
+"""Load on `python -m granite_jax.serve`: throughput and latency at rising concurrency, measured with streaming clients.
+
+    python benchmarks/serve_load.py                                   # a random small hybrid on this CPU
+    python benchmarks/serve_load.py --model ckpt/granite-4.0-h-tiny --dtype bfloat16 --concurrency 1,8,32,64
+
+The server runs as users run it (a process on localhost); each of C clients sends streaming completion requests
+back to back (a closed loop: a new request arrives whenever one ends, so prefills keep landing among the running
+decodes) for --requests-per-client requests. Per level: output tokens/s over the level's wall time, time to first
+token, and the gaps between streamed tokens (inter-token latency) p50 and p99 over every request. Ratios: each
+level's throughput over concurrency 1's, measured in the same run; p99 over p50 ITL. Writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+# A random hybrid of a small model's shape (about 30M parameters): Mamba-2 layers with one attention layer, MoE with
+# the shared MLP, NoPE; the tokenizer is granite_jax.testing's byte-level BPE.
+SMALL = dict(
+    hidden_size=384,
+    num_hidden_layers=8,
+    layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=256,
+    shared_intermediate_size=512,
+    mamba_n_heads=12,
+    mamba_d_head=64,
+    mamba_d_state=64,
+    mamba_chunk_size=64,
+    tie_word_embeddings=False,
+    embedding_multiplier=1.0,
+)
+PROMPTS = [
+    "def forward(x):",
+    "The hybrid design mixes Mamba-2 state space layers with attention, so that",
+    "Granite is a family of language models.",
+    "Long context at constant decode memory, many sequences at once: the quick brown fox jumps over the lazy dog",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from granite_jax.cli import ArgumentParser, model_dir, positive_int, positive_ints
+
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", type=model_dir, default=None, help="checkpoint to serve (default: a random small hybrid)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--concurrency", type=positive_ints, default="1,8,32,64", help="client counts, one level each")
+    p.add_argument("--requests-per-client", type=positive_int, default=3)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (EOS ignored)")
+    p.add_argument("--max-batch", type=positive_int, default=64)
+    p.add_argument("--prefill-budget", type=positive_int, default=32)
+    p.add_argument("--out", default=None, help="JSON path (a PNG is written beside it)")
+    return p.parse_args(argv)
+
+
+async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Send one streaming request; return its time to first token, the gaps between later tokens, and its count."""
+    start = time.perf_counter()
+    stamps, tokens = [], 0
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("usage"):
+                tokens = payload["usage"]["completion_tokens"]
+            elif payload["choices"] and payload["choices"][0]["finish_reason"] is None:
+                stamps.append(time.perf_counter())  # one chunk a token
+    return {"ttft": stamps[0] - start, "gaps": np.diff(stamps).tolist(), "tokens": tokens}
+
+
+async def level(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    async def client_loop(client, index: int) -> list[dict[str, Any]]:
+        out = []
+        for r in range(requests):
+            body = {
+                "prompt": PROMPTS[(index + r) % len(PROMPTS)] + f" ({index}.{r})",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            out.append(await one_request(client, url, body))
+        return out
+
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(client_loop(client, i) for i in range(clients)))
+        wall = time.perf_counter() - start
+    done = [r for rs in results for r in rs]
+    gaps = np.asarray([g for r in done for g in r["gaps"]])
+    ttft = np.asarray([r["ttft"] for r in done])
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "concurrency": clients,
+        "requests": len(done),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_s": float(np.percentile(ttft, 50)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+        "itl_p50_s": float(np.percentile(gaps, 50)),
+        "itl_p99_s": float(np.percentile(gaps, 99)),
+    }
+
+
+def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "granite_jax.serve", "--model", model, "--port", "0", "--dtype", args.dtype]
+    command += ["--max-batch", str(args.max_batch), "--prefill-budget", str(args.prefill_budget), "--max-context"]
+    command += ["1024", "--log-level", "error"]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    for line in server.stderr:
+        if line.startswith("serving "):
+            return server, line.split(" on ")[1].strip()
+    raise SystemExit(f"the server did not start (exit {server.wait()})")
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = [r["concurrency"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(c, [r["tokens_per_s"] for r in rows], "o-")
+    a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
+    for key, style in (("itl_p50_s", "o-"), ("itl_p99_s", "s--"), ("ttft_p50_s", "^:")):
+        b.plot(c, [r[key] * 1e3 for r in rows], style, label=key.replace("_s", ""))
+    b.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            from granite_jax.testing import make_checkpoint
+
+            model = make_checkpoint(os.path.join(tmp, "small"), seed=0, **SMALL)
+        server, base = start_server(args, model)
+        try:
+            url = f"{base}/v1/completions"
+            rows = []
+            for clients in args.concurrency:
+                rows.append(asyncio.run(level(url, clients, args.requests_per_client, args.max_tokens)))
+                r = rows[-1]
+                r["throughput_vs_c1"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+                r["itl_p99_over_p50"] = r["itl_p99_s"] / r["itl_p50_s"]
+                print(
+                    f"c={clients:3d}  {r['tokens_per_s']:8.1f} tok/s ({r['throughput_vs_c1']:5.2f}x c1)  "
+                    f"TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms  ITL p50 {r['itl_p50_s'] * 1e3:6.1f} ms "
+                    f"p99 {r['itl_p99_s'] * 1e3:6.1f} ms ({r['itl_p99_over_p50']:.2f}x)",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait(60)
+    result = {"model": args.model or "random small hybrid", "shape": None if args.model else SMALL, "levels": rows}
+    result |= {"dtype": args.dtype, "max_tokens": args.max_tokens, "max_batch": args.max_batch}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        plot(rows, os.path.splitext(args.out)[0] + ".png")
+    else:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
