@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py                                   # a random small hybrid on this CPU
     python benchmarks/serve_load.py --model ckpt/granite-4.0-h-tiny --dtype bfloat16 --concurrency 1,8,32,64
+    python benchmarks/serve_load.py --shape granite-4.0-h-tiny --layers 8 --dtype bfloat16   # on a GPU, no weights
 
 The server runs as users run it (a process on localhost); each of C clients sends streaming completion requests
 back to back (a closed loop: a new request arrives whenever one ends, so prefills keep landing among the running
@@ -56,12 +57,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=model_dir, default=None, help="checkpoint to serve (default: a random small hybrid)")
+    p.add_argument("--shape", default=None, help="random weights of this released shape instead (e.g. h-tiny)")
+    p.add_argument("--layers", type=positive_int, default=None, help="with --shape: N layers, same attention share")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--concurrency", type=positive_ints, default="1,8,32,64", help="client counts, one level each")
     p.add_argument("--requests-per-client", type=positive_int, default=3)
-    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (EOS ignored)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS ignored)")
     p.add_argument("--max-batch", type=positive_int, default=64)
     p.add_argument("--prefill-budget", type=positive_int, default=32)
+    p.add_argument("--feed-below", type=positive_int, default=16)
     p.add_argument("--out", default=None, help="JSON path (a PNG is written beside it)")
     return p.parse_args(argv)
 
@@ -122,10 +126,24 @@ async def level(url: str, clients: int, requests: int, max_tokens: int) -> dict[
     }
 
 
+def random_shape(name: str | None, layers: int | None) -> dict[str, Any]:
+    """config.json fields of the random model: SMALL, or a released shape with `layers` layers."""
+    if name is None:
+        return SMALL
+    from granite_jax.experiments.common import with_num_layers
+    from granite_jax.presets import RELEASED, released_config
+
+    key = name if name.startswith("granite-") else f"granite-4.0-{name}"
+    cfg = released_config(key)
+    cfg = cfg if layers is None else with_num_layers(cfg, layers)
+    fields = {k: v for k, v in RELEASED[key].items() if k != "model_type"}
+    return fields | dict(num_hidden_layers=len(cfg.layer_types), layer_types=list(cfg.layer_types))
+
+
 def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "granite_jax.serve", "--model", model, "--port", "0", "--dtype", args.dtype]
     command += ["--max-batch", str(args.max_batch), "--prefill-budget", str(args.prefill_budget), "--max-context"]
-    command += ["1024", "--log-level", "error"]
+    command += ["1024", "--log-level", "error", "--feed-below", str(args.feed_below)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in server.stderr:
         if line.startswith("serving "):
@@ -158,7 +176,7 @@ def main(argv=None) -> int:
         if model is None:
             from granite_jax.testing import make_checkpoint
 
-            model = make_checkpoint(os.path.join(tmp, "small"), seed=0, **SMALL)
+            model = make_checkpoint(os.path.join(tmp, "model"), seed=0, **random_shape(args.shape, args.layers))
         server, base = start_server(args, model)
         try:
             url = f"{base}/v1/completions"
@@ -177,7 +195,8 @@ def main(argv=None) -> int:
         finally:
             server.terminate()
             server.wait(60)
-    result = {"model": args.model or "random small hybrid", "shape": None if args.model else SMALL, "levels": rows}
+    shape = None if args.model else random_shape(args.shape, args.layers)
+    result = {"model": args.model or f"random {args.shape or 'small hybrid'}", "shape": shape, "levels": rows}
     result |= {"dtype": args.dtype, "max_tokens": args.max_tokens, "max_batch": args.max_batch}
     if args.out:
         with open(args.out, "w") as f:

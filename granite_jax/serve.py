@@ -99,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         "prompt delays the running ones' next tokens (32)",
     )
     b.add_argument(
+        "--feed-below",
+        type=cli.positive_int,
+        default=16,
+        metavar="N",
+        help="while requests are decoding, a new prompt's last tokens (fewer than N) are fed by the decode steps, one "
+        "a step, instead of prefilled: they ride along in the batch (16)",
+    )
+    b.add_argument(
         "--prefix-cache-mb",
         type=float,
         default=1024.0,
@@ -147,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         prefill_chunk=args.prefill_chunk,
         prefill_budget=args.prefill_budget,
+        feed_below=args.feed_below,
         max_queue=args.max_queue,
         prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
     )

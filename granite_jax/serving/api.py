@@ -245,7 +245,8 @@ async def _stream(
 
 
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    # ASCII JSON: a raw U+2028 or U+0085 in the text would end the line for clients that split lines as Python does
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 class _Shape:
