@@ -28,12 +28,10 @@ $(AOT)/.installed: $(VENV)/.installed
 	touch $@
 
 # Two pytest workers (pytest-xdist): most of the suite's time is single-threaded compilation and script start-up.
-# loadgroup: the tests of one server process (tests/test_serve.py, xdist_group "serve") share a worker, so that the
-# server starts once.
 # Then the `aot` tests, with the plugin, on the CPU platform, without XLA's persistent cache (it cannot hold
 # executables compiled for a device that is not there).
 test: lint $(AOT)/.installed
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not aot" --durations=30
+	$(BIN)/python -m pytest -q -n 2 -m "not aot" --durations=30
 	GRANITE_JAX_REQUIRE_AOT=1 JAX_PLATFORMS=cpu JAX_ENABLE_COMPILATION_CACHE=false PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -n 2 -m aot
 
 demo: install

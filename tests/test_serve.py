@@ -17,7 +17,7 @@ import pytest
 
 from granite_jax.generation import Generator
 
-pytestmark = pytest.mark.xdist_group("serve")  # one worker runs them all: the servers start once (see the Makefile)
+pytestmark = pytest.mark.slow(60)
 
 SERVER_START_S = 300  # model load and the warm-up's compilations, on a cold compilation cache
 FAULT_TOKEN = 7  # a prompt of only this token id makes the fault-injecting server's model raise (see FAULTY)
@@ -81,15 +81,9 @@ def generator(model_dir) -> Generator:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    server = Server(model_dir, "--max-batch", "64", "--max-context", "96", "--prefill-budget", "8")
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
 def small_server(model_dir):
-    """One slot, one place in the queue, and a model that fails on FAULT_TOKEN prompts."""
+    """One slot, one place in the queue, and a model that fails on FAULT_TOKEN prompts (a server a test worker,
+    shared by the tests that need no more than one slot)."""
     server = Server(model_dir, "--max-batch", "1", "--max-queue", "1", "--max-context", "96", code=FAULTY)
     yield server
     server.stop()
@@ -99,8 +93,8 @@ def alone(generator: Generator, prompt: str, n: int) -> str:
     return generator.generate(prompt, max_new_tokens=n)[0].text
 
 
-@pytest.mark.slow(60)
-def test_openai_client_completions_and_chat(server, generator, model_dir):
+def test_openai_client_completions_and_chat(small_server, generator, model_dir):
+    server = small_server
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.url}/v1", api_key="none")
@@ -125,8 +119,8 @@ def test_openai_client_completions_and_chat(server, generator, model_dir):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
 
 
-@pytest.mark.slow(60)
-def test_bad_requests_get_400_with_an_openai_error_body(server):
+def test_bad_requests_get_400_with_an_openai_error_body(small_server):
+    server = small_server
     url = f"{server.url}/v1/completions"
     cases = {
         "malformed JSON": dict(content=b'{"prompt": "a", ', headers={"content-type": "application/json"}),
@@ -148,8 +142,8 @@ def test_bad_requests_get_400_with_an_openai_error_body(server):
     assert response.status_code == 404 and "not served here" in response.json()["error"]["message"]
 
 
-@pytest.mark.slow(90)
-def test_64_concurrent_streams_get_the_tokens_each_gets_alone(server, generator):
+def test_64_concurrent_streams_get_the_tokens_each_gets_alone(model_dir, generator):
+    server = Server(model_dir, "--max-batch", "64", "--max-context", "96", "--prefill-budget", "8")
     prompts = [f"prompt {i}: the quick brown fox" + " jumps" * (i % 5) for i in range(64)]
 
     async def stream(client: httpx.AsyncClient, prompt: str) -> str:
@@ -166,14 +160,17 @@ def test_64_concurrent_streams_get_the_tokens_each_gets_alone(server, generator)
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
             return await asyncio.gather(*(stream(client, p) for p in prompts))
 
-    texts = asyncio.run(all_of_them())
-    assert texts == [alone(generator, p, 8) for p in prompts]
-    assert server.health()["active"] == 0
+    try:
+        texts = asyncio.run(all_of_them())
+        assert texts == [alone(generator, p, 8) for p in prompts]
+        assert server.health()["active"] == 0
+    finally:
+        assert server.stop() == 0
 
 
-@pytest.mark.slow(60)
-def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
-    body = {"prompt": "The quick brown fox", "max_tokens": 80, "temperature": 0, "stream": True, "stop": ["never"]}
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(small_server):
+    server = small_server
+    body = {"prompt": "The quick brown fox", "max_tokens": 80, "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))
@@ -184,7 +181,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert server.health()["active"] == 0
 
 
-@pytest.mark.slow(90)
 def test_a_failing_request_gets_a_500_and_the_others_go_on(small_server, generator):
     url = f"{small_server.url}/v1/completions"
     bad = httpx.post(url, json={"prompt": [FAULT_TOKEN] * 4, "max_tokens": 4}, timeout=60)
@@ -195,11 +191,10 @@ def test_a_failing_request_gets_a_500_and_the_others_go_on(small_server, generat
     assert good.json()["choices"][0]["text"] == alone(generator, "def forward(x):", 6)
 
 
-@pytest.mark.slow(90)
 def test_requests_over_capacity_get_a_503_with_a_retry_hint(small_server):
     # Ten requests at once for one slot and one place in the queue: the first runs, the next waits, the rest are
     # turned away at once (a request takes tens of steps, the ten arrive together).
-    body = {"prompt": "The quick brown fox", "max_tokens": 60, "stop": ["never"], "temperature": 0}
+    body = {"prompt": "The quick brown fox", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
@@ -214,10 +209,9 @@ def test_requests_over_capacity_get_a_503_with_a_retry_hint(small_server):
     assert small_server.health()["waiting"] == 0
 
 
-@pytest.mark.slow(90)
 def test_sigterm_lets_in_flight_requests_finish(model_dir):
     server = Server(model_dir, "--max-batch", "2", "--max-context", "96")
-    body = {"prompt": "The quick brown fox", "max_tokens": 40, "stream": True, "stop": ["never"], "temperature": 0}
+    body = {"prompt": "The quick brown fox", "max_tokens": 40, "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(line for line in lines if line.startswith("data: "))

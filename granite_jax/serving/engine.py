@@ -71,12 +71,12 @@ class Request:
     on_text: Callable[[str], None]
     on_done: Callable[[Outcome], None]
     logprobs: bool = False  # keep each token's log-probability
+    # The engine's, as the request runs:
     stream: RowStream | None = None
     token_logprobs: list[float] = dataclasses.field(default_factory=list)
     text: list[str] = dataclasses.field(default_factory=list)  # streamed text not yet handed to on_text
     cached_tokens: int = 0
     cancelled: bool = False
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         text, ids = ("", ()) if self.stream is None else (self.stream.text, tuple(self.stream.ids))
