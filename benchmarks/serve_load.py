@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py                                   # a random small hybrid on this CPU
     python benchmarks/serve_load.py --model ckpt/granite-4.0-h-tiny --dtype bfloat16 --concurrency 1,8,32,64
-    python benchmarks/serve_load.py --shape granite-4.0-h-tiny --layers 8 --dtype bfloat16   # on a GPU, no weights
+    python benchmarks/serve_load.py --shape granite-4.0-h-tiny --layers 8 --dtype bfloat16   # a GPU, no weights
 
 The server runs as users run it (a process on localhost); each of C clients sends streaming completion requests
 back to back (a closed loop: a new request arrives whenever one ends, so prefills keep landing among the running
@@ -53,21 +53,29 @@ PROMPTS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from granite_jax.cli import ArgumentParser, model_dir, positive_int, positive_ints
+    from granite_jax.cli import ArgumentParser, model_dir, output_file_problem, positive_int, positive_ints
+    from granite_jax.presets import RELEASED
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", type=model_dir, default=None, help="checkpoint to serve (default: a random small hybrid)")
-    p.add_argument("--shape", default=None, help="random weights of this released shape instead (e.g. h-tiny)")
+    p.add_argument("--model", type=model_dir, default=None, help="checkpoint to serve (None: a random small hybrid)")
+    p.add_argument(
+        "--shape", choices=sorted(RELEASED), default=None, help="random weights of this released shape instead"
+    )
     p.add_argument("--layers", type=positive_int, default=None, help="with --shape: N layers, same attention share")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the server's --dtype")
     p.add_argument("--concurrency", type=positive_ints, default="1,8,32,64", help="client counts, one level each")
-    p.add_argument("--requests-per-client", type=positive_int, default=3)
+    p.add_argument("--requests-per-client", type=positive_int, default=3, help="requests each client sends in turn")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS ignored)")
-    p.add_argument("--max-batch", type=positive_int, default=64)
-    p.add_argument("--prefill-budget", type=positive_int, default=32)
-    p.add_argument("--feed-below", type=positive_int, default=16)
-    p.add_argument("--out", default=None, help="JSON path (a PNG is written beside it)")
-    return p.parse_args(argv)
+    p.add_argument("--max-batch", type=positive_int, default=64, help="the server's --max-batch")
+    p.add_argument("--prefill-budget", type=positive_int, default=32, help="the server's --prefill-budget")
+    p.add_argument("--feed-below", type=positive_int, default=16, help="the server's --feed-below")
+    p.add_argument("--out", default=None, help="JSON path (a PNG is written beside it; None: JSON on stdout)")
+    args = p.parse_args(argv)
+    if problem := output_file_problem("--out", args.out):
+        p.error(problem)
+    if args.layers is not None and args.shape is None:
+        p.error("--layers needs --shape")
+    return args
 
 
 async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -133,10 +141,9 @@ def random_shape(name: str | None, layers: int | None) -> dict[str, Any]:
     from granite_jax.experiments.common import with_num_layers
     from granite_jax.presets import RELEASED, released_config
 
-    key = name if name.startswith("granite-") else f"granite-4.0-{name}"
-    cfg = released_config(key)
+    cfg = released_config(name)
     cfg = cfg if layers is None else with_num_layers(cfg, layers)
-    fields = {k: v for k, v in RELEASED[key].items() if k != "model_type"}
+    fields = {k: v for k, v in RELEASED[name].items() if k != "model_type"}
     return fields | dict(num_hidden_layers=len(cfg.layer_types), layer_types=list(cfg.layer_types))
 
 

@@ -33,6 +33,7 @@ PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optio
             "first_token.py",
             "mesh_plan.py",
             "sharded_loading.py",
+            "serve_load.py",
         )
     },
     "gpu_report.py": "benchmarks/gpu_report.py",
@@ -64,6 +65,10 @@ FLAGS = {
     "first_token.py": "--model --prompt --max-new-tokens --runs --json",
     "mesh_plan.py": "--shape --devices --steps --cache-len --json",
     "sharded_loading.py": "--model --mesh --json",
+    "serve_load.py": (
+        "--model --shape --layers --dtype --concurrency --requests-per-client --max-tokens --max-batch "
+        "--prefill-budget --feed-below --out"
+    ),
 }
 
 # (script, arguments, part of the one error line); {missing} is a JSON path in a directory that does not exist,
@@ -115,6 +120,9 @@ BAD = [
     ("mesh_plan.py", ["--json", "{dir}"], "is a directory"),
     ("sharded_loading.py", ["--model", "{missing}"], "model directory not found"),
     ("sharded_loading.py", ["--json", "{dir}"], "is a directory"),
+    ("serve_load.py", ["--concurrency", "1,0"], "argument --concurrency: every value must be >= 1"),
+    ("serve_load.py", ["--layers", "4"], "--layers needs --shape"),
+    ("serve_load.py", ["--out", "{missing}"], "the directory does not exist"),
 ]
 
 FIRST_BAD = {script: (args, message) for script, args, message in reversed(BAD)}  # each script's first case
