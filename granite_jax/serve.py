@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from granite_jax import cli
 from granite_jax.checkpoint import AUTO, DTYPES, NO_MODEL_MESSAGE, WEIGHT_DTYPES, default_model_dir
 from granite_jax.errors import InputError
+from granite_jax.ops import SSD_IMPLS, Runtime
 
 PROG = "python -m granite_jax.serve"
 
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=AUTO,
         help="keep the weights in this dtype instead of --dtype (as python -m granite_jax.generate; auto)",
     )
+    m.add_argument(
+        "--ssd-impl",
+        choices=SSD_IMPLS,
+        default="xla",
+        help="Mamba-2 SSD implementation of the prefill (as python -m granite_jax.generate; pallas: NVIDIA GPUs, with "
+        "--dtype bfloat16) (xla)",
+    )
     n = p.add_argument_group("network")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every one)")
     n.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0: any free one, printed)")
@@ -66,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM, seconds for in-flight requests to finish before they are cancelled (30)",
     )
-    n.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="warning", help="(warning)")
+    n.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="uvicorn's log level; info adds a line a request (warning)",
+    )
     b = p.add_argument_group("batching")
     b.add_argument("--max-batch", type=cli.positive_int, default=32, metavar="B", help="decode slots (32)")
     b.add_argument(
@@ -148,7 +161,13 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(NO_MODEL_MESSAGE)
     sock = listening_socket(args.host, args.port)  # before the model loads: a taken port fails at once
     cli.use_compilation_cache(args.compilation_cache)
-    generator = Generator(model_dir, dtype=args.dtype, weight_dtype=args.weight_dtype, progress=sys.stderr.isatty())
+    generator = Generator(
+        model_dir,
+        dtype=args.dtype,
+        weight_dtype=args.weight_dtype,
+        runtime=Runtime(ssd=args.ssd_impl),
+        progress=sys.stderr.isatty(),
+    )
     engine = Engine(
         generator,
         max_batch=args.max_batch,
