@@ -143,7 +143,8 @@ def test_bad_requests_get_400_with_an_openai_error_body(small_server):
 
 
 def test_64_concurrent_streams_get_the_tokens_each_gets_alone(model_dir, generator):
-    server = Server(model_dir, "--max-batch", "64", "--max-context", "96", "--prefill-budget", "8")
+    # 16 slots: the other 48 clients wait in the queue and join as rows free up.
+    server = Server(model_dir, "--max-batch", "16", "--max-queue", "64", "--max-context", "96", "--prefill-budget", "8")
     prompts = [f"prompt {i}: the quick brown fox" + " jumps" * (i % 5) for i in range(64)]
 
     async def stream(client: httpx.AsyncClient, prompt: str) -> str:
@@ -210,7 +211,7 @@ def test_requests_over_capacity_get_a_503_with_a_retry_hint(small_server):
 
 
 def test_sigterm_lets_in_flight_requests_finish(model_dir):
-    server = Server(model_dir, "--max-batch", "2", "--max-context", "96")
+    server = Server(model_dir, "--max-batch", "1", "--max-context", "96")
     body = {"prompt": "The quick brown fox", "max_tokens": 40, "stream": True, "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
