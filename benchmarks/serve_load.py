@@ -6,9 +6,11 @@
 
 The server runs as users run it (a process on localhost); each of C clients sends streaming completion requests
 back to back (a closed loop: a new request arrives whenever one ends, so prefills keep landing among the running
-decodes) for --requests-per-client requests. Per level: output tokens/s over the level's wall time, time to first
+decodes) for --seconds. Per level: output tokens/s over that window (the tokens that arrived in it), time to first
 token, and the gaps between streamed tokens (inter-token latency) p50 and p99 over every request. Ratios: each
-level's throughput over concurrency 1's, measured in the same run; p99 over p50 ITL. Writes JSON and a PNG.
+level's throughput over concurrency 1's, measured in the same run; p99 over p50 ITL; and the engine's ceiling: a
+decode step of that many rows timed in this process before the server starts, C / t(C) tokens/s, against which each
+level's throughput is given. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ PROMPTS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from granite_jax.cli import ArgumentParser, model_dir, output_file_problem, positive_int, positive_ints
+    from granite_jax.cli import (
+        ArgumentParser,
+        model_dir,
+        output_file_problem,
+        positive_float,
+        positive_int,
+        positive_ints,
+    )
     from granite_jax.presets import RELEASED
 
     p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -64,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=positive_int, default=None, help="with --shape: N layers, same attention share")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the server's --dtype")
     p.add_argument("--concurrency", type=positive_ints, default="1,8,32,64", help="client counts, one level each")
-    p.add_argument("--requests-per-client", type=positive_int, default=3, help="requests each client sends in turn")
+    p.add_argument("--seconds", type=positive_float, default=20.0, help="each level's window of load")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens per request (EOS ignored)")
     p.add_argument("--max-batch", type=positive_int, default=64, help="the server's --max-batch")
     p.add_argument("--prefill-budget", type=positive_int, default=32, help="the server's --prefill-budget")
@@ -79,54 +88,52 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def one_request(client, url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Send one streaming request; return its time to first token, the gaps between later tokens, and its count."""
-    start = time.perf_counter()
-    stamps, tokens = [], 0
+    """Send one streaming request; return when it was sent and when each of its tokens arrived (one event a token)."""
+    sent, stamps = time.perf_counter(), []
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[6:])
-            if payload.get("usage"):
-                tokens = payload["usage"]["completion_tokens"]
-            elif payload["choices"] and payload["choices"][0]["finish_reason"] is None:
-                stamps.append(time.perf_counter())  # one chunk a token
-    return {"ttft": stamps[0] - start, "gaps": np.diff(stamps).tolist(), "tokens": tokens}
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["finish_reason"] is None:
+                    stamps.append(time.perf_counter())
+    return {"sent": sent, "stamps": stamps}
 
 
-async def level(url: str, clients: int, requests: int, max_tokens: int) -> dict[str, Any]:
+async def level(url: str, clients: int, seconds: float, max_tokens: int) -> dict[str, Any]:
+    """C clients send requests back to back for `seconds`; throughput counts the tokens that arrived in that window
+    (the requests still running at its end finish, for their latencies, but their later tokens are not counted)."""
     import httpx
 
-    async def client_loop(client, index: int) -> list[dict[str, Any]]:
-        out = []
-        for r in range(requests):
+    async def client_loop(client, index: int, deadline: float) -> list[dict[str, Any]]:
+        out, r = [], 0
+        while time.perf_counter() < deadline:
             body = {
                 "prompt": PROMPTS[(index + r) % len(PROMPTS)] + f" ({index}.{r})",
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
                 "stream": True,
-                "stream_options": {"include_usage": True},
             }
             out.append(await one_request(client, url, body))
+            r += 1
         return out
 
     limits = httpx.Limits(max_connections=clients)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(client_loop(client, i) for i in range(clients)))
-        wall = time.perf_counter() - start
+        deadline = start + seconds
+        results = await asyncio.gather(*(client_loop(client, i, deadline) for i in range(clients)))
     done = [r for rs in results for r in rs]
-    gaps = np.asarray([g for r in done for g in r["gaps"]])
-    ttft = np.asarray([r["ttft"] for r in done])
-    tokens = sum(r["tokens"] for r in done)
+    gaps = np.concatenate([np.diff(r["stamps"]) for r in done])
+    ttft = np.asarray([r["stamps"][0] - r["sent"] for r in done])
+    tokens = sum(int(np.sum(np.asarray(r["stamps"]) <= deadline)) for r in done)
     return {
         "concurrency": clients,
         "requests": len(done),
-        "tokens": tokens,
-        "seconds": wall,
-        "tokens_per_s": tokens / wall,
+        "tokens_in_window": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
         "ttft_p50_s": float(np.percentile(ttft, 50)),
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "itl_p50_s": float(np.percentile(gaps, 50)),
@@ -145,6 +152,30 @@ def random_shape(name: str | None, layers: int | None) -> dict[str, Any]:
     cfg = cfg if layers is None else with_num_layers(cfg, layers)
     fields = {k: v for k, v in RELEASED[name].items() if k != "model_type"}
     return fields | dict(num_hidden_layers=len(cfg.layer_types), layer_types=list(cfg.layer_types))
+
+
+def decode_step_seconds(model: str, dtype: str, sizes: list[int], clock: int = 256, repeats: int = 20) -> dict:
+    """A decode step's time at each batch size, the rows `clock` tokens long, measured in this process before the
+    server starts: the engine's ceiling is C / t(C) tokens/s at C clients (every row decoding, no prefill)."""
+    import jax
+
+    from granite_jax.generation import Generator
+    from granite_jax.sampling import SamplingConfig
+    from granite_jax.serving import rows
+
+    generator = Generator(model, dtype=dtype)
+    steps, out = generator.steps, {}
+    for size in sizes:
+        cache = rows.reclock(steps.cache(size, clock + 64, np.zeros(size, np.int32)), np.int32(-clock))
+        params = jax.device_put(SamplingConfig.row_params([SamplingConfig()] * size))
+        tokens = np.zeros(size, np.int32)
+        for i in range(repeats + 3):
+            if i == 3:
+                start = time.perf_counter()
+            _, ids, cache = steps.decode(generator.prepared(size), cache, tokens, params, tokens)
+            np.asarray(ids)
+        out[size] = (time.perf_counter() - start) / repeats
+    return out
 
 
 def start_server(args, model: str) -> tuple[subprocess.Popen, str]:
@@ -184,19 +215,27 @@ def main(argv=None) -> int:
             from granite_jax.testing import make_checkpoint
 
             model = make_checkpoint(os.path.join(tmp, "model"), seed=0, **random_shape(args.shape, args.layers))
+        step = decode_step_seconds(model, args.dtype, sorted({1, *(min(c, args.max_batch) for c in args.concurrency)}))
         server, base = start_server(args, model)
         try:
             url = f"{base}/v1/completions"
             rows = []
             for clients in args.concurrency:
-                rows.append(asyncio.run(level(url, clients, args.requests_per_client, args.max_tokens)))
+                rows.append(asyncio.run(level(url, clients, args.seconds, args.max_tokens)))
                 r = rows[-1]
                 r["throughput_vs_c1"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
                 r["itl_p99_over_p50"] = r["itl_p99_s"] / r["itl_p50_s"]
+                rows_run = min(clients, args.max_batch)
+                r["decode_step_s"] = step[rows_run]
+                r["ceiling_tokens_per_s"] = rows_run / step[rows_run]
+                r["of_ceiling"] = r["tokens_per_s"] / r["ceiling_tokens_per_s"]
+                r["ceiling_vs_c1"] = r["ceiling_tokens_per_s"] * step[1]
                 print(
                     f"c={clients:3d}  {r['tokens_per_s']:8.1f} tok/s ({r['throughput_vs_c1']:5.2f}x c1)  "
                     f"TTFT p50 {r['ttft_p50_s'] * 1e3:7.1f} ms  ITL p50 {r['itl_p50_s'] * 1e3:6.1f} ms "
-                    f"p99 {r['itl_p99_s'] * 1e3:6.1f} ms ({r['itl_p99_over_p50']:.2f}x)",
+                    f"p99 {r['itl_p99_s'] * 1e3:6.1f} ms ({r['itl_p99_over_p50']:.2f}x)  "
+                    f"step {step[rows_run] * 1e3:5.1f} ms: "
+                    f"{r['of_ceiling']:.0%} of {r['ceiling_tokens_per_s']:.0f} tok/s ({r['ceiling_vs_c1']:.2f}x c1)",
                     flush=True,
                 )
         finally:

@@ -66,7 +66,7 @@ FLAGS = {
     "mesh_plan.py": "--shape --devices --steps --cache-len --json",
     "sharded_loading.py": "--model --mesh --json",
     "serve_load.py": (
-        "--model --shape --layers --dtype --concurrency --requests-per-client --max-tokens --max-batch "
+        "--model --shape --layers --dtype --concurrency --seconds --max-tokens --max-batch "
         "--prefill-budget --feed-below --out"
     ),
 }

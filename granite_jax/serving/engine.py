@@ -40,6 +40,7 @@ from granite_jax.sampling import SamplingConfig
 from granite_jax.serving import rows
 from granite_jax.serving.prefix import PrefixCache
 
+MIN_RECLOCK = 64  # slots before every row that a decode step may read rather than move the rows
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "length": "length", "max_position": "length"}
 
 
@@ -344,7 +345,9 @@ class Engine:
     def _join(self, job: _Prefill) -> None:
         """The prefilled sequence takes a row; the rest of its prompt is fed by the decode steps."""
         request, length = job.request, job.done
-        if self.clock < length:  # its first slot would be before slot 0: move everyone later
+        # Rows move later if the newcomer's first slot would be before slot 0; an empty batch's clock starts again at
+        # the newcomer's length, since attention reads every slot up to the clock.
+        if self.clock < length or (self.clock > length and not self.active):
             self._reclock(self.clock - length)
         if None not in self.slots:
             self._resize(next(b for b in self.buckets if b > len(self.slots)))
@@ -359,8 +362,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ decode
 
     def _decode_step(self) -> None:
-        if self.kv_slots and self.clock + 1 > self.kv_slots:
-            self._reclock(self.clock - max(self.clock - row.start for row in self.slots if row is not None))
+        # Attention reads every slot up to the clock, the ones before the oldest row's first too: once those are
+        # half of them (or the cache is full), the rows move back to slot 0, one copy of the KV cache.
+        oldest = min(row.start for row in self.slots if row is not None)
+        if self.kv_slots and (self.clock + 1 > self.kv_slots or oldest > max(self.clock // 2, MIN_RECLOCK)):
+            self._reclock(oldest)
         if self._params is None:
             configs = [SamplingConfig() if row is None else row.request.sampling for row in self.slots]
             self._params = jax.device_put(SamplingConfig.row_params(configs))

@@ -5,14 +5,13 @@ The model's `Cache` has one write index for every row and a count of empty slots
 keeps that layout: a sequence of n tokens joining at index I sits in slots [I - n, I), its pad I - n. Nothing in the
 model changes, and every backend (CPU kernels, Pallas, meshes) runs the server's steps as it runs the Generator's.
 
-The clock only advances, so when it reaches the end of the KV cache every row is moved back by the same number of
-slots (`reclock`): the oldest row then starts at slot 0. A row of at most `max_context` tokens always fits after it,
-since the KV cache holds max_context plus some room; the room sets how often the move happens (the move is one copy
-of the KV cache, which a hybrid keeps in 1 layer in 10). Mamba states do not depend on the slot, except the conv's
-ring of recent inputs, indexed by slot modulo its width: it turns with the slots.
-
-Attention in a decode step reads the slots up to the clock, so a batch's steps cost as its longest possible row's
-would; the Mamba layers, nine in ten of a Granite 4.0 hybrid, cost the same at any length.
+The clock only advances, so every row is moved back by the same number of slots (`reclock`) when it reaches the end
+of the KV cache, or when the slots before the oldest row's first are half of those up to the clock (attention in a
+decode step reads every slot up to the clock): the oldest row then starts at slot 0. A row of at most `max_context`
+tokens always fits after it, since the KV cache holds max_context plus some room. The move is one copy of the KV
+cache, which a hybrid keeps in 1 layer in 10. Mamba states do not depend on the slot, except the conv's ring of recent
+inputs, indexed by slot modulo its width: it turns with the slots. So a step's attention reads at most twice the
+longest row's slots; the Mamba layers, nine in ten of a Granite 4.0 hybrid, cost the same at any length.
 """
 
 from __future__ import annotations
