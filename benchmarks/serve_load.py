@@ -197,7 +197,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     c = [r["concurrency"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(c, [r["tokens_per_s"] for r in rows], "o-")
+    a.plot(c, [r["tokens_per_s"] for r in rows], "o-", label="served")
+    a.plot(c, [r["ceiling_tokens_per_s"] for r in rows], "s--", label="ceiling: C rows / one step's time")
+    a.legend()
     a.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
     for key, style in (("itl_p50_s", "o-"), ("itl_p99_s", "s--"), ("ttft_p50_s", "^:")):
         b.plot(c, [r[key] * 1e3 for r in rows], style, label=key.replace("_s", ""))
