@@ -210,6 +210,13 @@ def test_full_queue_and_too_long_requests_are_refused(generator):
         engine.check(ids, SamplingConfig(max_new_tokens=160))
 
 
+def test_bad_engine_options_are_refused_by_name(generator):
+    with pytest.raises(GenerationError, match="max_batch must be an integer >= 1, got 0"):
+        Engine(generator, max_batch=0)
+    with pytest.raises(GenerationError, match="max_queue must be an integer >= 0"):
+        Engine(generator, max_queue=-1)
+
+
 def test_buckets_and_pieces():
     assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6] and buckets(64)[-2:] == [32, 64]
     assert [piece_length(n, 32) for n in (1, 7, 32, 100)] == [1, 4, 32, 32]

@@ -36,7 +36,7 @@ from granite_jax.generation import Generator
 from granite_jax.generation.layout import next_power_of_two
 from granite_jax.generation.stream import RowStream
 from granite_jax.model import Cache
-from granite_jax.sampling import SamplingConfig
+from granite_jax.sampling import SamplingConfig, is_int
 from granite_jax.serving import rows
 from granite_jax.serving.prefix import PrefixCache
 
@@ -137,6 +137,13 @@ class Engine:
         prefix_cache_bytes: int = 1 << 30,
         room: int | None = None,
     ):
+        sizes = dict(max_batch=max_batch, max_context=max_context, prefill_chunk=prefill_chunk)
+        sizes |= dict(prefill_budget=prefill_budget, feed_below=feed_below)
+        for name, value in sizes.items():
+            if not (is_int(value) and value >= 1):
+                raise GenerationError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (is_int(max_queue) and max_queue >= 0):
+            raise GenerationError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.generator, self.cfg = generator, generator.cfg
         self.max_batch, self.max_context, self.max_queue = int(max_batch), int(max_context), int(max_queue)
         self.prefill_chunk, self.prefill_budget = int(prefill_chunk), int(min(prefill_budget, prefill_chunk))
