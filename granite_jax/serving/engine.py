@@ -264,10 +264,12 @@ class Engine:
             r.finish("cancelled")
         for job in [p for p in self._prefills if p.request.cancelled]:
             self._prefills.remove(job)
+            self.counters["cancelled"] += 1
             job.request.finish("cancelled")
         for index, row in enumerate(self.slots):
             if row is not None and row.request.cancelled:
                 self._free(index, "cancelled")
+        self.counters["cancelled"] += len(gone)
 
     def _admit(self) -> None:
         with self._lock:
@@ -443,6 +445,7 @@ class Engine:
         row, self.slots[index], self.inputs[index] = self.slots[index], None, 0
         self._params = None
         if reason is not None:
+            self.counters[reason] += 1
             row.request.finish(reason)
 
     def _fail(self, request: Request, error: Exception) -> None:
