@@ -116,7 +116,7 @@ class SamplingConfig:
         )
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # bounded: a server sees a fresh random seed with most sampling requests
 def _key_data(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.key(seed)))
 

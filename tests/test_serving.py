@@ -163,11 +163,17 @@ def test_no_compilation_after_warmup(generator):
     engine = small_engine(generator)
     engine.warmup()
     lowered = []
-    monitoring.register_event_duration_secs_listener(
-        lambda name, *_, **__: lowered.append(name) if name.endswith("jaxpr_to_mlir_module_duration") else None
-    )
-    requests = [(ids_of(generator, p), SamplingConfig(max_new_tokens=5)) for p in PROMPTS]
-    run(engine, requests + requests[:2], join_every=2)
+
+    def listen(name, *_, **__):
+        if name.endswith("jaxpr_to_mlir_module_duration"):
+            lowered.append(name)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        requests = [(ids_of(generator, p), SamplingConfig(max_new_tokens=5)) for p in PROMPTS]
+        run(engine, requests + requests[:2], join_every=2)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
     assert lowered == []
 
 

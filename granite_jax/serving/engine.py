@@ -75,7 +75,7 @@ class Request:
     # The engine's, as the request runs:
     stream: RowStream | None = None
     token_logprobs: list[float] = dataclasses.field(default_factory=list)
-    text: list[str] = dataclasses.field(default_factory=list)  # streamed text not yet handed to on_text
+    pending_text: list[str] = dataclasses.field(default_factory=list)  # the current token's text, for on_text
     cached_tokens: int = 0
     cancelled: bool = False
 
@@ -348,7 +348,7 @@ class Engine:
         stops = self.cfg.eos_token_id if request.sampling.stop_token_ids is None else request.sampling.stop_token_ids
         return RowStream(
             0, self.generator.tokenizer, frozenset(stops), request.sampling.stop_strings,
-            lambda _, text: request.text.append(text),
+            lambda _, text: request.pending_text.append(text),
         )  # fmt: skip
 
     def _join(self, job: _Prefill) -> None:
@@ -435,8 +435,8 @@ class Engine:
         finished = stream.done or len(stream.ids) >= request.sampling.max_new_tokens
         if finished:
             stream.finish()
-        request.on_text("".join(request.text))
-        request.text.clear()
+        request.on_text("".join(request.pending_text))
+        request.pending_text.clear()
         if finished:
             request.finish(FINISH_REASONS[stream.finish_reason])
         return finished
