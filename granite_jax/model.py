@@ -176,16 +176,22 @@ class Linear(nnx.Module):
         return scaled_linear(x.astype(self.dtype), self.weight[...], self.weight_scale[...])
 
 
+def widened(x: Array) -> Array:
+    """x in float32, or in float64 if it is: norms, softmaxes, the conv and the SSD run in at least float32, and a
+    float64 model (gradient checks against finite differences) stays float64 throughout."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
 @ops.replaceable
 def embedding_rows(table: Array, ids: Array) -> Array:
-    """table[ids] in float32 for a (V, H) table: (..., H), rows of NaN for ids outside [0, V)."""
+    """table[ids] in float32 (`widened`) for a (V, H) table: (..., H), rows of NaN for ids outside [0, V)."""
     ids = ids.astype(jnp.int32)
     ids = jnp.where(ids < 0, table.shape[0], ids)  # past the end: `take` would wrap negative ids around (-1: last row)
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan).astype(jnp.float32)
+    return widened(jnp.take(table, ids, axis=0, mode="fill", fill_value=jnp.nan))
 
 
 def rms_normalize(x: Array, eps: float) -> Array:
-    x = x.astype(jnp.float32)
+    x = widened(x)
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
@@ -207,7 +213,7 @@ class GatedRMSNorm(nnx.Module):
 
 def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
     """weight * norm(y * silu(z)), one RMS statistic per group of d_inner / groups channels (gate before the norm)."""
-    gated = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    gated = widened(y) * jax.nn.silu(widened(z))
     grouped = gated.reshape(*gated.shape[:-1], groups, -1)
     normed = rms_normalize(grouped, eps).reshape(gated.shape)
     return (weight * normed.astype(dtype)).astype(dtype)
@@ -242,9 +248,9 @@ def history_ring(history: Array, slot: Array | int) -> Array:
 
 def weighted_taps(taps: list[Array], weight: Array, bias: Array | None) -> Array:
     """sum_k taps[k] * weight[k] (+ bias) in float32, oldest tap first: the depthwise conv of K shifted inputs."""
-    w = weight.astype(jnp.float32)
-    out = sum(tap.astype(jnp.float32) * w[k] for k, tap in enumerate(taps))
-    return out if bias is None else out + bias.astype(jnp.float32)
+    w = widened(weight)
+    out = sum(widened(tap) * w[k] for k, tap in enumerate(taps))
+    return out if bias is None else out + widened(bias)
 
 
 def causal_conv(x: Array, history: Array, weight: Array, bias: Array | None) -> tuple[Array, Array]:
@@ -335,9 +341,9 @@ class MambaMixer(nnx.Module):
         z, dt = z.reshape(b, T, h * p), dt.reshape(b, T, h)
 
         lo, hi = cfg.time_step_limit
-        dt = jnp.clip(jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)), lo, hi)
-        A = -jnp.exp(self.A_log[...].astype(jnp.float32))
-        D = self.D[...].astype(jnp.float32)
+        dt = jnp.clip(jax.nn.softplus(widened(dt) + widened(self.dt_bias[...])), lo, hi)
+        A = -jnp.exp(widened(self.A_log[...]))
+        D = widened(self.D[...])
         if state is not None and T == 1:
             y, ssm = ssd_step(state.ssm, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
             y = y[:, None]
@@ -355,8 +361,8 @@ class MambaMixer(nnx.Module):
 def rope(x: Array, positions: Array, theta: float) -> Array:
     """Neox-style rotary embedding (rotate_half). x (b, T, heads, d), positions (b, T)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (b, T, d/2)
+    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.promote_types(x.dtype, jnp.float32)) / d)
+    angles = positions.astype(inv_freq.dtype)[..., None] * inv_freq  # (b, T, d/2)
     cos, sin = (jnp.concatenate([f(angles)] * 2, -1)[:, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
@@ -399,7 +405,7 @@ class Attention(nnx.Module):
 
 def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     """Softmax attention. q (b, T, kv, rep, hd), k and v (b, kv, S, hd), mask (b, T, S) -> (b, T, kv, rep, hd)."""
-    scores = jnp.einsum("btkrd,bksd->bkrts", q, k).astype(jnp.float32) * scale
+    scores = widened(jnp.einsum("btkrd,bksd->bkrts", q, k)) * scale
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkrts,bksd->btkrd", probs, v)
@@ -496,7 +502,7 @@ class MoE(nnx.Module):
     def __call__(self, x: Array) -> Array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = self.router(x).astype(jnp.float32)
+        logits = widened(self.router(x))
         top_logits, experts = top_experts(logits, self.cfg.num_experts_per_tok)  # (N, k)
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
         N, k = experts.shape
@@ -652,7 +658,7 @@ class Granite(nnx.Module):
             x = self.embed(tokens) * jnp.asarray(self.cfg.embedding_multiplier, self.dtype)
             hidden, states = [], []
             for i, layer in enumerate(self.layers):
-                x, state = layer(x, pos, None if cache is None else cache.layers[i])
+                x, state = run_layer(layer, x, pos, None if cache is None else cache.layers[i], self.runtime.remat)
                 states.append(state)
                 if return_hidden:
                     hidden.append(x)
@@ -678,6 +684,13 @@ class Granite(nnx.Module):
         else:
             logits = self.lm_head(x)
         return logits / self.cfg.logits_scaling
+
+
+def run_layer(layer: DecoderLayer, x: Array, pos: Positions, state, remat: bool):
+    """layer(x, pos, state); under `remat` its activations are recomputed in the backward pass (`jax.checkpoint`)."""
+    if not remat:
+        return layer(x, pos, state)
+    return nnx.remat(lambda layer, x: layer(x, pos, state))(layer, x)
 
 
 def _concrete(x) -> bool:

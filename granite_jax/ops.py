@@ -57,6 +57,8 @@ class Runtime:
     2-16 rows, as much memory again as those weights). None: when they fit in half the free memory.
     platform: the JAX platform ("cpu", "gpu") the program is for, whose kernel backend `kernels` turns on. None: JAX's
     default backend; set it to compile for another, as for an H200 from a machine without one.
+    remat: recompute each decoder layer's activations in the backward pass instead of keeping them (`jax.checkpoint`
+    per layer, for training): the layers' inputs are all a gradient keeps.
     mesh: the `jax.sharding.Mesh` the weights are placed over (`granite_jax.sharding`), whose backend runs the
     embedding and the experts on the devices holding them; over one only the platform backends in PARTITIONABLE run.
     """
@@ -66,12 +68,15 @@ class Runtime:
     pack_weights: bool | None = None
     platform: str | None = None
     mesh: Any = None
+    remat: bool = False
 
     def __post_init__(self):
         if self.ssd not in SSD_IMPLS:
             raise InputError(f"ssd: {self.ssd!r} is not one of {', '.join(SSD_IMPLS)}")
         if not isinstance(self.kernels, bool):
             raise InputError(f"kernels: expected True or False, got {self.kernels!r}")
+        if not isinstance(self.remat, bool):
+            raise InputError(f"remat: expected True or False, got {self.remat!r}")
         if self.pack_weights not in (None, True, False):
             raise InputError(f"pack_weights: expected None, True or False, got {self.pack_weights!r}")
         if self.platform is not None and self.platform not in PLATFORM_KERNELS:

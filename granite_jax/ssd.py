@@ -44,8 +44,8 @@ def ssd(
     chunk_size: int,
     initial_state: Array | None = None,
 ) -> tuple[Array, Array]:
-    """Chunked SSD scan. Returns y (b, L, h, p) in float32 and the final state (b, h, p, n) in float32: `ssd_chunked`
-    unless the runtime chooses another implementation (`ops.Runtime.ssd`).
+    """Chunked SSD scan. Returns y (b, L, h, p) and the final state (b, h, p, n) in float32 (float64 for float64
+    inputs): `ssd_chunked` unless the runtime chooses another implementation (`ops.Runtime.ssd`).
 
     Shapes and `chunk_size` (a positive int) are checked at trace time, by each implementation: ValueError naming
     the argument."""
@@ -194,21 +194,22 @@ def _to_chunks(t: Array, chunk_size: int) -> Array:
 
 
 def _discretise(x: Array, dt: Array, A: Array, chunk_size: int) -> tuple[Array, Array]:
-    """x * dt as (b, c, l, h, p) and the per-chunk cumulative log-decay cumsum(A * dt) as (b, h, c, l), float32."""
-    f32 = jnp.float32
-    xdt = _to_chunks(x.astype(f32) * dt.astype(f32)[..., None], chunk_size)
-    a = _to_chunks(A.astype(f32) * dt.astype(f32), chunk_size)  # (b, c, l, h)
+    """x * dt as (b, c, l, h, p) and the per-chunk cumulative log-decay cumsum(A * dt) as (b, h, c, l), in float32
+    (float64 for float64 inputs)."""
+    dtype = jnp.result_type(x.dtype, dt.dtype, jnp.float32)  # float64 inputs stay float64
+    xdt = _to_chunks(x.astype(dtype) * dt.astype(dtype)[..., None], chunk_size)
+    a = _to_chunks(A.astype(dtype) * dt.astype(dtype), chunk_size)  # (b, c, l, h)
     return xdt, jnp.moveaxis(a, 3, 1)
 
 
 def _finish(y: Array, x: Array, D: Array, length: int) -> Array:
     """(b, c, l, h, p) -> (b, L, h, p), plus the D skip connection."""
     y = y.reshape(y.shape[0], -1, *y.shape[3:])[:, :length]
-    return y + D.astype(jnp.float32)[:, None] * x.astype(jnp.float32)
+    return y + D.astype(y.dtype)[:, None] * x.astype(y.dtype)
 
 
 def _initial(initial_state: Array | None, like: Array) -> Array:
-    return jnp.zeros_like(like) if initial_state is None else initial_state.astype(jnp.float32)
+    return jnp.zeros_like(like) if initial_state is None else initial_state.astype(like.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- chunked: einsum
@@ -239,7 +240,7 @@ def ssd_chunked(
     c = xdt.shape[1]
     xdt = xdt.reshape(b, c, chunk_size, g, r, p)
     a = a.reshape(b, g, r, c, chunk_size)
-    Bc, Cc = (_to_chunks(t.astype(jnp.float32), chunk_size) for t in (B, C))  # (b, c, l, g, n)
+    Bc, Cc = (_to_chunks(t.astype(xdt.dtype), chunk_size) for t in (B, C))  # (b, c, l, g, n)
     a_cs = jnp.cumsum(a, axis=-1)
     ein = functools.partial(_contract, operand_dtype=operand_dtype)
 
@@ -252,7 +253,7 @@ def ssd_chunked(
     # chunks, O(c) (the paper's chunk-decay matrix, as in ssd_chunked_naive's S5, is O(c^2) and ~5x slower on CPU).
     decay_to_end = jnp.exp(a_cs[..., -1:] - a_cs)  # (b, g, r, c, l)
     chunk_states = ein("bclgn,bgrcl,bclgrp->bcgrpn", Bc, decay_to_end, xdt)
-    init = _initial(initial_state, jnp.zeros((b, h, p, n), jnp.float32)).reshape(b, g, r, p, n)
+    init = _initial(initial_state, jnp.zeros((b, h, p, n), xdt.dtype)).reshape(b, g, r, p, n)
 
     def next_chunk(state, inputs):  # state at a chunk's start -> state at its end
         contribution, decay = inputs
@@ -292,7 +293,7 @@ def ssd_chunked_naive(
     b, length, h, p = x.shape
     g, n = B.shape[2:]
     xdt, a = _discretise(x, dt, A, chunk_size)  # (b, c, l, h, p), (b, h, c, l)
-    Bc, Cc = (_to_chunks(jnp.repeat(t.astype(jnp.float32), h // g, axis=2), chunk_size) for t in (B, C))
+    Bc, Cc = (_to_chunks(jnp.repeat(t.astype(xdt.dtype), h // g, axis=2), chunk_size) for t in (B, C))
     a_cs = jnp.cumsum(a, axis=-1)
     L = jnp.exp(segsum(a))  # (b, h, c, l, s)
 
