@@ -1,6 +1,6 @@
 """Time to the first token of `python -m granite_jax.generate`, on a first run and on a second one.
 
-    python benchmarks/first_token.py                        # the demo's random tiny checkpoint
+    python benchmarks/first_token.py                        # a random tiny checkpoint
     python benchmarks/first_token.py --model DIR --runs 3 --json OUT.json
 
 Each run is a fresh interpreter, timed from its start to the first byte the command streams on stdout (the first
@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model",
         type=model_dir,
         default=None,
-        help="checkpoint directory (default: a random tiny one, as make demo's)",
+        help="checkpoint directory (default: a random tiny one)",
     )
     p.add_argument("--prompt", default="The quick brown fox", help="the prompt")
     p.add_argument("--max-new-tokens", type=positive_int, default=32, help="tokens per run")

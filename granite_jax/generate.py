@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint directory: a Hugging Face GraniteMoeHybrid checkpoint (config.json, *.safetensors) with its "
         "tokenizer files, or its orbax conversion (python -m granite_jax.convert); the tokenizer is the one "
         "transformers' AutoTokenizer loads, from local files only. "
-        "Required until a checkpoint ships with granite-jax.",
+        "Default: the model shipped with granite-jax, a small Granite hybrid trained on Python's standard library "
+        "(docs/training.md).",
     )
     io.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt; repeat for a batch")
     io.add_argument(

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=cli.model_dir,
         metavar="DIR",
         help="checkpoint directory (Hugging Face GraniteMoeHybrid with tokenizer files, or its orbax conversion); "
-        "default: the model shipped with granite-jax, if any",
+        "default: the model shipped with granite-jax (a small Granite hybrid trained on Python's standard library)",
     )
     m.add_argument("--served-model-name", metavar="NAME", help="the model's name in the API (default: DIR's name)")
     m.add_argument("--dtype", choices=DTYPES, default="float32", help="arithmetic dtype (float32)")

@@ -40,13 +40,6 @@ TINY_CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=True,
 )
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' + message['content'] + '<|end_of_text|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_of_role|>assistant<|end_of_role|>' }}{%- endif %}"
-)
-SPECIAL_TOKENS = ["<|pad|>", "<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"]
 _CORPUS = (
     "Granite is a family of language models. The hybrid design mixes Mamba-2 state space layers with attention. "
     "Long context at constant decode memory, many sequences at once. The quick brown fox jumps over the lazy dog. "
@@ -56,25 +49,9 @@ _CORPUS = (
 
 def make_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 320):
     """Train a small byte-level BPE with Granite's special tokens and chat template; save it into out_dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from granite_jax.training.tokenizer import train_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,  # its bars print blank lines when the training is this short
-    )
-    tok.train_from_iterator([_CORPUS] * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end_of_text|>", pad_token="<|pad|>", chat_template=CHAT_TEMPLATE
-    )
-    fast.padding_side = "left"
-    fast.save_pretrained(os.fspath(out_dir))
-    return fast
+    return train_bpe([_CORPUS] * 4, vocab_size, out_dir)
 
 
 def make_checkpoint(

@@ -121,9 +121,12 @@ def test_errors_are_one_line_with_exit_status_2(hf_checkpoint, checkpoint, tmp_p
 def test_the_command_exits_2_without_a_traceback():
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     out = subprocess.run(
-        [sys.executable, "-m", "granite_jax.generate", "--prompt", "hi"], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "granite_jax.generate", "--model", "/nonexistent/model", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        env=env,
     )
-    assert out.returncode == 2 and "pass --model DIR" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 2 and "/nonexistent/model" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 

@@ -132,13 +132,14 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 
 NO_MODEL_MESSAGE = (
-    "no model given and granite-jax does not ship a checkpoint yet: pass --model DIR "
+    "no model given and this install lacks the default model (granite_jax/checkpoints/default): pass --model DIR "
     "(a Hugging Face GraniteMoeHybrid checkpoint directory with config.json, safetensors and tokenizer files)"
 )
 
 
 def default_model_dir() -> str | None:
-    """The checkpoint shipped with the package, if any (none ships yet)."""
+    """The model shipped with the package (granite_jax/checkpoints/default: a small Granite 4.0 hybrid trained on
+    Python's standard library by configs/train/default.py), or None if this install lacks it."""
     path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "checkpoints", "default")
     return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
