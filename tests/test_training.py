@@ -88,7 +88,7 @@ def test_a_few_steps_make_the_loss_fall():
     graphdef, params = nnx.split(tiny_model())
     lr = step.schedule(1e-2, 2, 30, 0.1)
     tx = step.optimizer(lr, weight_decay=0.1, b1=0.9, b2=0.95, clip_norm=1.0)
-    train_step = step.make_train_step(graphdef, tx, lr)
+    train_step = step.make_train_step(graphdef, tx)
     tokens = np.tile(np.arange(17, dtype=np.int32) % 11, (4, 1))
     rows = data.Batch(tokens[:, :-1], tokens[:, 1:], np.ones((4, 16), np.float32))
     whole, halves = rows.reshaped(1, 4), rows.reshaped(2, 2)

@@ -44,7 +44,7 @@ def token_loss(graphdef: nnx.GraphDef, params: Any, inputs: Array, targets: Arra
     return (nll * mask).sum(), mask.sum()
 
 
-def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr: optax.Schedule):
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
     """step(params, opt_state, inputs, targets, mask) with batch arrays (accumulate, micro, T): the gradient of the
     mean token loss of the whole batch (micro-batch gradients summed in float32 by a scan, then divided by the
     batch's token count), one optimizer update. Returns (params, opt_state, metrics)."""
@@ -52,16 +52,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, lr
     def micro_step(params, carry, rows):
         grads, loss, count = carry
         (s, n), g = jax.value_and_grad(lambda p: token_loss(graphdef, p, *rows), has_aux=True)(params)
-        grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
+        grads = jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g)
         return (grads, loss + s, count + n), None
 
     def step(params, opt_state, inputs, targets, mask):
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
         init = (zeros, jnp.float32(0), jnp.float32(0))
         (grads, loss, count), _ = lax.scan(lambda c, r: micro_step(params, c, r), init, (inputs, targets, mask))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, params)
-        metrics = dict(loss=loss / count, tokens=count, grad_norm=_norm(grads), lr=lr(_count(opt_state)))
+        metrics = dict(loss=loss / count, tokens=count, grad_norm=_norm(grads))
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -76,8 +76,3 @@ def make_eval_step(graphdef: nnx.GraphDef):
 def _norm(tree) -> Array:
     """The global L2 norm of a pytree (the norm clipping reads; optax renames its helper across versions)."""
     return jnp.sqrt(sum(jnp.vdot(x, x).real for x in jax.tree.leaves(tree)))
-
-
-def _count(opt_state) -> Array:
-    """The optimizer's update count so far (the schedule's argument for this update): AdamW's `count`."""
-    return optax.tree_utils.tree_get_all_with_path(opt_state, "count")[0][1]

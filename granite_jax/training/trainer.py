@@ -64,7 +64,7 @@ def train(config: config_dict.ConfigDict, *, progress: bool | None = None) -> di
     lr = step.schedule(o.learning_rate, o.warmup_steps, config.steps, o.final_lr_ratio)
     tx = step.optimizer(lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm)
     opt_state = tx.init(params)
-    train_step = step.make_train_step(graphdef, tx, lr)
+    train_step = step.make_train_step(graphdef, tx)
     check_memory(train_step, params, opt_state, config)
     eval_step = step.make_eval_step(graphdef)
 
@@ -85,7 +85,7 @@ def train(config: config_dict.ConfigDict, *, progress: bool | None = None) -> di
             window.add(float(batch.mask.sum()))
             if done % config.log_every == 0 or done == config.steps:
                 metrics = {k: float(v) for k, v in metrics.items()}  # waits for the step
-                log.write(dict(step=done, **metrics, tokens_per_s=window.rate()))
+                log.write(dict(step=done, **metrics, lr=float(lr(s)), tokens_per_s=window.rate()))
                 bar.show(done, metrics["loss"], window.rate())
                 window.reset()
             if config.eval.every and (done % config.eval.every == 0 or done == config.steps):
