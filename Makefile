@@ -1,4 +1,4 @@
-# Two entry points: `make demo` (generate text with a random tiny checkpoint) and `make test` (the CI suite).
+# Two entry points: `make demo` (the default model completes Python code) and `make test` (the CI suite).
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -34,6 +34,7 @@ test: lint $(AOT)/.installed
 	$(BIN)/python -m pytest -q -n 2 -m "not aot" --durations=30
 	GRANITE_JAX_REQUIRE_AOT=1 JAX_PLATFORMS=cpu JAX_ENABLE_COMPILATION_CACHE=false PYTHONPATH=$(AOT) $(BIN)/python -m pytest -q -n 2 -m aot
 
+# No --model: the default model shipped in granite_jax/checkpoints/default (configs/train/default.py trained it).
 demo: install
-	$(BIN)/python -m granite_jax.testing out/tiny-random
-	$(BIN)/python -m granite_jax.generate --model out/tiny-random --prompt "The quick brown fox" --max-new-tokens 32
+	$(BIN)/python -m granite_jax.generate --prompt "def fibonacci(n):" --max-new-tokens 48
+	$(BIN)/python -m granite_jax.generate --prompt "class Stack:" --max-new-tokens 64

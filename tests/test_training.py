@@ -177,10 +177,11 @@ def test_ngram_baselines_match_a_direct_count():
 
 def test_function_bodies_are_cut_at_the_first_dedent():
     header = "def add(a, b):"
-    assert quality.function_body("    return a + b\n\ndef other():\n    pass") == "    return a + b\n"
-    assert quality.parses(header, quality.function_body("    return a + b\n\ndef other():\n    pass"))
-    assert quality.function_body("    x = 1\n    return (x +") == "    x = 1"  # unfinished last line dropped
-    assert not quality.parses(header, quality.function_body("    return (a +\nprint()"))
+    completion = "\n    return a + b\n\ndef other():\n    pass"  # the header's line ends, then the body
+    assert quality.function_body(completion) == "\n    return a + b\n"
+    assert quality.parses(header, quality.function_body(completion))
+    assert quality.function_body("\n    x = 1\n    return (x +") == "\n    x = 1"  # unfinished last line dropped
+    assert not quality.parses(header, quality.function_body("\n    return (a +\nprint()"))
     assert not quality.parses(header, "")
     headers = quality.function_headers(
         corpus.matched_files(os.path.join(os.path.dirname(json.__file__), "*.py"), "x"), 3

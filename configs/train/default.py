@@ -1,12 +1,12 @@
 """The embedded default model (granite_jax/checkpoints/default): a 6.8M-parameter Granite 4.0 hybrid trained from
-scratch on this Python's standard library, on one 2-core CPU in about an hour and a half.
+scratch on this Python's standard library, on one 2-core CPU in about two hours (118 minutes measured).
 
     python -m granite_jax.train --config configs/train/default.py
     rm -rf granite_jax/checkpoints/default && cp -r runs/train-default/model granite_jax/checkpoints/default
 
 Architecture: five Mamba-2 layers and one attention layer (NoPE, as Granite 4.0's hybrids), each with a mixture of
 4 routed SwiGLU experts (top 2) beside the shared MLP; tied embeddings; a 4096-token byte-level BPE. Its size: on
-these machines a step of 8 rows of 512 tokens takes ~4.6 s (~900 tokens/s), so the budget buys ~4.5M tokens; a
+these machines a step of 8 rows of 512 tokens takes ~4.6-5 s (800-900 tokens/s): 1400 steps, 5.7M tokens; a
 model much larger would see too few tokens a parameter, one much smaller would stop learning early (docs/training.md).
 """
 

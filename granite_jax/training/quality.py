@@ -53,18 +53,19 @@ def function_headers(files: list[str], count: int) -> list[str]:
 
 
 def function_body(completion: str) -> str:
-    """The completion of a header up to its first dedent: the lines before the first non-blank line that starts at
-    column 0, and, if generation stopped before one, without its last, unfinished line."""
+    """The completion of a header (the rest of its line, then the body) up to its first dedent: the lines before the
+    first non-blank line that starts at column 0, and, if generation stopped before one, without its last, unfinished
+    line."""
     lines = completion.split("\n")
     for i, line in enumerate(lines):
-        if line.strip() and not line[0].isspace():
+        if i and line.strip() and not line[0].isspace():
             return "\n".join(lines[:i])
     return "\n".join(lines[:-1])
 
 
 def parses(header: str, body: str) -> bool:
     try:
-        ast.parse(header + "\n" + body)
+        ast.parse(header + body)
     except (SyntaxError, ValueError):
         return False
     return True
@@ -73,7 +74,8 @@ def parses(header: str, body: str) -> bool:
 def header_completions(generator, headers: list[str], max_new_tokens: int) -> dict:
     """Greedy completions of `headers` by a `Generator`, cut at the first dedent: the share whose function parses as
     Python (`ast.parse`), and each header with its body."""
-    results = generator.generate([h + "\n" for h in headers], max_new_tokens=max_new_tokens)
+    # The prompt ends at the colon: a trailing newline would split the "newline + indent" token BPE learned.
+    results = generator.generate(headers, max_new_tokens=max_new_tokens)
     items = []
     for header, result in zip(headers, results):
         body = function_body(result.text)
