@@ -263,7 +263,8 @@ def test_too_little_memory_says_which_micro_batch_fits(monkeypatch):
     from granite_jax.errors import InputError
     from granite_jax.training import trainer
 
-    monkeypatch.setattr(trainer, "_step_bytes", lambda step, p, o, micro, config: micro * 2**30)
+    monkeypatch.setattr(trainer, "_compiled", lambda step, p, o, micro, config: micro)  # a "step" of micro GiB
+    monkeypatch.setattr(trainer, "_step_bytes", lambda micro: micro * 2**30)
     config = config_dict.ConfigDict(dict(memory_gb=5.0, batch=dict(rows=16, micro=16), data=dict(seq_len=512)))
     with pytest.raises(
         InputError,
@@ -272,7 +273,7 @@ def test_too_little_memory_says_which_micro_batch_fits(monkeypatch):
     ):
         trainer.check_memory(None, None, None, config)
     config.memory_gb = 16.0
-    trainer.check_memory(None, None, None, config)
+    assert trainer.check_memory(None, None, None, config) == 16  # the step for the configured batch
 
 
 def test_shipped_training_configs_pass_the_command_check():

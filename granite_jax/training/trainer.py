@@ -64,8 +64,7 @@ def train(config: config_dict.ConfigDict, *, progress: bool | None = None) -> di
     lr = step.schedule(o.learning_rate, o.warmup_steps, config.steps, o.final_lr_ratio)
     tx = step.optimizer(lr, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2, clip_norm=o.clip_norm)
     opt_state = tx.init(params)
-    train_step = step.make_train_step(graphdef, tx)
-    check_memory(train_step, params, opt_state, config)
+    train_step = check_memory(step.make_train_step(graphdef, tx), params, opt_state, config)
     eval_step = step.make_eval_step(graphdef)
 
     manager = checkpoints(out, config)
@@ -208,18 +207,16 @@ def check_seq_len(seq_len: int, cfg: ModelConfig) -> None:
         )
 
 
-def check_memory(train_step, params, opt_state, config: config_dict.ConfigDict) -> None:
-    """Compile the step and refuse a batch whose step needs more memory than there is (`memory_gb`, or what the
-    device has free), saying which micro-batch fits."""
+def check_memory(train_step, params, opt_state, config: config_dict.ConfigDict):
+    """The step compiled for the configured batch (what training runs: compiled once), refused when it needs more
+    memory than there is (`memory_gb`, or what the device has free), saying which micro-batch fits."""
     limit = config.memory_gb * 2**30 if config.memory_gb else free_memory()
-    need = _step_bytes(train_step, params, opt_state, config.batch.micro, config)
+    step = _compiled(train_step, params, opt_state, config.batch.micro, config)
+    need = _step_bytes(step)
     if limit is None or need is None or need <= limit:
-        return
-    fits = [
-        m
-        for m in _halvings(config.batch.micro)
-        if (_step_bytes(train_step, params, opt_state, m, config) or 0) <= limit
-    ]
+        return step
+    halvings = [config.batch.micro >> k for k in range(1, config.batch.micro.bit_length())]
+    fits = [m for m in halvings if (_step_bytes(_compiled(train_step, params, opt_state, m, config)) or 0) <= limit]
     advice = (
         f"batch.micro={fits[0]} fits (keep batch.rows={config.batch.rows}: the rest is accumulated)"
         if fits and config.batch.rows % fits[0] == 0
@@ -231,15 +228,16 @@ def check_memory(train_step, params, opt_state, config: config_dict.ConfigDict) 
     )
 
 
-def _halvings(n: int) -> list[int]:
-    return [n >> k for k in range(1, n.bit_length()) if n >> k >= 1]
-
-
-def _step_bytes(train_step, params, opt_state, micro: int, config: config_dict.ConfigDict) -> int | None:
-    """Bytes the compiled step holds at once (arguments, outputs, temporaries), or None where XLA does not say."""
+def _compiled(train_step, params, opt_state, micro: int, config: config_dict.ConfigDict):
+    """The jitted step compiled for batches of `micro` rows a pass."""
     rows = jax.ShapeDtypeStruct((config.batch.rows // micro, micro, config.data.seq_len), jnp.int32)
     mask = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
-    analysis = train_step.lower(params, opt_state, rows, rows, mask).compile().memory_analysis()
+    return train_step.lower(params, opt_state, rows, rows, mask).compile()
+
+
+def _step_bytes(compiled) -> int | None:
+    """Bytes a compiled step holds at once (arguments, outputs, temporaries), or None where XLA does not say."""
+    analysis = compiled.memory_analysis()
     if analysis is None:
         return None
     return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
