@@ -175,7 +175,7 @@ def test_ngram_baselines_match_a_direct_count():
     assert got["bigram"] == pytest.approx(total_bi / (len(held) - 1), rel=1e-12)
 
 
-def test_function_bodies_are_cut_at_the_first_dedent():
+def test_function_bodies_are_cut_at_the_first_dedent(tmp_path):
     header = "def add(a, b):"
     completion = "\n    return a + b\n\ndef other():\n    pass"  # the header's line ends, then the body
     assert quality.function_body(completion) == "\n    return a + b\n"
@@ -183,10 +183,18 @@ def test_function_bodies_are_cut_at_the_first_dedent():
     assert quality.function_body("\n    x = 1\n    return (x +") == "\n    x = 1"  # unfinished last line dropped
     assert not quality.parses(header, quality.function_body("\n    return (a +\nprint()"))
     assert not quality.parses(header, "")
+    # A body at a method's depth under a dedented header ends where its own indentation falls back.
+    method = "\n        return self.x\n    def next(self):\n        pass"
+    assert quality.function_body(method) == "\n        return self.x"
+    assert quality.parses("def get(self):", quality.function_body(method))
+    assert quality.function_body("\nreturn 1\n") == ""  # a first line at column 0 is no body
     headers = quality.function_headers(
         corpus.matched_files(os.path.join(os.path.dirname(json.__file__), "*.py"), "x"), 3
     )
-    assert len(headers) == 3 and all(h.startswith("def ") and h.endswith(":") for h in headers)
+    assert len(set(headers)) == 3 and all(h.startswith("def ") and h.endswith(":") for h in headers)
+    for name, source in [("a", "def f():\n    pass\n"), ("b", "def f():\n    pass\ndef g(x):\n    return x\n")]:
+        (tmp_path / f"{name}.py").write_text(source)
+    assert quality.function_headers([str(tmp_path / "a.py"), str(tmp_path / "b.py")], 5) == ["def f():", "def g(x):"]
 
 
 # ---------------------------------------------------------------------------------------------- the command

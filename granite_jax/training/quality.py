@@ -33,18 +33,20 @@ def ngram_baselines(train: np.ndarray, held_out: np.ndarray, vocab_size: int) ->
 
 
 def function_headers(files: list[str], count: int) -> list[str]:
-    """Up to `count` function headers, the first one-line `def ...:` of each parseable file in order, dedented."""
-    headers = []
+    """Up to `count` distinct function headers, dedented: from each parseable file in order, its first one-line
+    `def ...:` not taken already (generated modules such as the codecs share theirs)."""
+    headers: list[str] = []
     for path in files:
         try:
-            tree = ast.parse(read_text(path))
+            text = read_text(path)
+            tree = ast.parse(text)
         except (SyntaxError, ValueError):
             continue
-        lines = read_text(path).splitlines()
+        lines = text.splitlines()
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and node.body and node.body[0].lineno == node.lineno + 1:
                 line = lines[node.lineno - 1].strip()
-                if line.startswith("def ") and line.endswith(":"):
+                if line.startswith("def ") and line.endswith(":") and line not in headers:
                     headers.append(line)
                     break
         if len(headers) == count:
@@ -54,11 +56,18 @@ def function_headers(files: list[str], count: int) -> list[str]:
 
 def function_body(completion: str) -> str:
     """The completion of a header (the rest of its line, then the body) up to its first dedent: the lines before the
-    first non-blank line that starts at column 0, and, if generation stopped before one, without its last, unfinished
+    first non-blank line indented less than the body's first line (Python's DEDENT, so a body may take any depth, as
+    a method's header shown dedented gets one), and, if generation stopped before one, without its last, unfinished
     line."""
     lines = completion.split("\n")
-    for i, line in enumerate(lines):
-        if i and line.strip() and not line[0].isspace():
+    depth = None
+    for i, line in enumerate(lines[1:], start=1):
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if depth is None:
+            depth = indent
+        if indent < depth or indent == 0:
             return "\n".join(lines[:i])
     return "\n".join(lines[:-1])
 
