@@ -27,7 +27,10 @@ TINY_TRAIN = os.path.join(ROOT, "configs", "train", "tiny.py")
 
 
 def tiny_model(dtype=jnp.float32, **runtime) -> Granite:
-    cfg = ModelConfig.from_hf_dict(dict(TINY_CONFIG, vocab_size=64, mamba_chunk_size=8))
+    """One Mamba and one attention layer, each with routed experts and the shared MLP: every kind of parameter, at
+    half the tracing and compiling of the tests' four-layer model."""
+    fields = dict(num_hidden_layers=2, layer_types=["mamba", "attention"], vocab_size=64, mamba_chunk_size=8)
+    cfg = ModelConfig.from_hf_dict(TINY_CONFIG | fields)
     return Granite(cfg, dtype=dtype, param_dtype=dtype, runtime=Runtime(kernels=False, **runtime), rngs=nnx.Rngs(0))
 
 
@@ -109,11 +112,11 @@ def test_padding_carries_no_loss():
     graphdef, params = nnx.split(tiny_model())
     inputs = np.array([[5, 6, 7, 8, 9, 1, 0, 0]], np.int32)
     mask = np.array([[1, 1, 1, 1, 1, 0, 0, 0]], np.float32)
+    loss = lambda p, targets: step.token_loss(graphdef, p, inputs, targets, mask)  # noqa: E731
+    loss_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
     results = []
     for filler in (0, 33):
-        targets = np.array([[6, 7, 8, 9, 1, filler, filler, filler]], np.int32)
-        loss = lambda p, targets=targets: step.token_loss(graphdef, p, inputs, targets, mask)
-        (s, n), g = jax.value_and_grad(loss, has_aux=True)(params)
+        (s, n), g = loss_and_grad(params, np.array([[6, 7, 8, 9, 1, filler, filler, filler]], np.int32))
         results.append((float(s), float(n), jax.tree.leaves(g)))
     assert results[0][1] == results[1][1] == 5.0
     assert results[0][0] == results[1][0]
@@ -211,16 +214,12 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_parameters(tmp_path):
     its exported weights are bitwise those of the run that was never stopped, and its metrics have one row per
     step. The uninterrupted run is also the determinism check: same seed, same bits."""
     steps = ["--config.steps=12", "--config.checkpoint.every=4", "--config.eval.every=6", "--config.log_every=2"]
-    whole = _train(tmp_path / "whole", *steps)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    cmd = [
-        sys.executable,
-        "-m",
-        "granite_jax.train",
-        f"--config={TINY_TRAIN}",
-        f"--config.output_dir={tmp_path / 'cut'}",
-    ]
-    proc = subprocess.Popen([*cmd, *steps], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "granite_jax.train", f"--config={TINY_TRAIN}", *steps]
+    # The run left alone and the run to kill go side by side: two processes, half the wait.
+    whole = subprocess.Popen([*cmd, f"--config.output_dir={tmp_path / 'whole'}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen([*cmd, f"--config.output_dir={tmp_path / 'cut'}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
     checkpoints = tmp_path / "cut" / "checkpoints"
     deadline = time.time() + 240
     while not (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
@@ -229,6 +228,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_parameters(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (tmp_path / "cut" / "model").exists()
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()[-2000:]
     resumed = _train(tmp_path / "cut", *steps)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     from safetensors.numpy import load_file
@@ -242,8 +242,15 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_parameters(tmp_path):
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["held_out_loss"] < summary["baselines"]["unigram"] + 2  # trained, not diverged
     assert (tmp_path / "cut" / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    changed = _train(tmp_path / "cut", *steps, "--config.optimizer.learning_rate=0.1")
-    assert changed.returncode == 2 and "optimizer.learning_rate" in changed.stderr
+    from granite_jax.cli import load_config
+    from granite_jax.errors import InputError
+    from granite_jax.training import trainer
+
+    changed = load_config(TINY_TRAIN)
+    fields = {"steps": 12, "checkpoint.every": 4, "eval.every": 6, "log_every": 2, "output_dir": str(tmp_path / "cut")}
+    changed.update_from_flattened_dict(fields | {"optimizer.learning_rate": 0.1})
+    with pytest.raises(InputError, match="optimizer.learning_rate"):
+        trainer.check_resumable(changed, str(tmp_path / "cut"))
 
 
 @pytest.mark.parametrize(
@@ -282,6 +289,11 @@ def test_too_little_memory_says_which_micro_batch_fits(monkeypatch):
         trainer.check_memory(None, None, None, config)
     config.memory_gb = 16.0
     assert trainer.check_memory(None, None, None, config) == 16  # the step for the configured batch
+    tried = []
+    bytes_of = lambda m: tried.append(m) or m  # noqa: E731
+    assert trainer.largest_fitting_micro(bytes_of, 60, 60, 13) == 12  # divisors of 60 below 60: bisected
+    assert len(tried) <= 5 and tried[0] == 1
+    assert trainer.largest_fitting_micro(bytes_of, 4, 8, 0.5) is None
 
 
 def test_shipped_training_configs_pass_the_command_check():

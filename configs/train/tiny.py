@@ -1,4 +1,5 @@
-"""A few-second run: the tests' tiny hybrid on the standard library's json package.
+"""A few-second run: the tests' tiny hybrid, cut to one Mamba and one attention layer, on the standard library's
+json package.
 
 python -m granite_jax.train --config configs/train/tiny.py --config.output_dir=runs/tiny
 """
@@ -14,7 +15,7 @@ def get_config():
     c = base_config()
     c.output_dir = "runs/train-tiny"
     c.steps = 20
-    c.model.hf.update(TINY_CONFIG)
+    c.model.hf.update(TINY_CONFIG, num_hidden_layers=2, layer_types=["mamba", "attention"])
     c.tokenizer.vocab_size = 512
     stdlib = sysconfig.get_paths()["stdlib"]
     c.data.train = os.path.join(stdlib, "json", "*.py")  # ~50 KB

@@ -215,17 +215,34 @@ def check_memory(train_step, params, opt_state, config: config_dict.ConfigDict):
     need = _step_bytes(step)
     if limit is None or need is None or need <= limit:
         return step
-    halvings = [config.batch.micro >> k for k in range(1, config.batch.micro.bit_length())]
-    fits = [m for m in halvings if (_step_bytes(_compiled(train_step, params, opt_state, m, config)) or 0) <= limit]
+    bytes_of = lambda m: _step_bytes(_compiled(train_step, params, opt_state, m, config)) or 0  # noqa: E731
+    fits = largest_fitting_micro(bytes_of, config.batch.micro, config.batch.rows, limit)
     advice = (
-        f"batch.micro={fits[0]} fits (keep batch.rows={config.batch.rows}: the rest is accumulated)"
-        if fits and config.batch.rows % fits[0] == 0
+        f"batch.micro={fits} fits (keep batch.rows={config.batch.rows}: the rest is accumulated)"
+        if fits
         else "not even one row fits: shorten data.seq_len, or set model.remat=True or model.param_dtype=bfloat16"
     )
     raise InputError(
         f"batch.micro: a step of {config.batch.micro} rows of {config.data.seq_len} tokens needs "
         f"{need / 2**30:.2f} GiB, {limit / 2**30:.2f} GiB available; {advice}"
     )
+
+
+def largest_fitting_micro(step_bytes, micro: int, rows: int, limit: float) -> int | None:
+    """The largest micro-batch below `micro` that divides `rows` and whose step needs at most `limit` bytes, or
+    None: one row tried first (a batch nothing fits costs one compilation more), then a bisection (memory grows with
+    the micro-batch), so a few compilations, not one for each candidate."""
+    candidates = [m for m in range(1, micro) if rows % m == 0]
+    if not candidates or step_bytes(1) > limit:
+        return None
+    best, lo, hi = 1, 1, len(candidates) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if step_bytes(candidates[mid]) <= limit:
+            best, lo = candidates[mid], mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def _compiled(train_step, params, opt_state, micro: int, config: config_dict.ConfigDict):
