@@ -15,6 +15,7 @@ Everything here is plain JAX. The functions marked `@ops.replaceable` are where 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -754,7 +755,30 @@ def abstract_model(
 ) -> Granite:
     """The model with shape-only parameters: nothing is allocated (for parameter counts and loading)."""
     kw = dict(dtype=dtype, param_dtype=param_dtype, runtime=runtime, row_blocks=row_blocks)
-    return nnx.eval_shape(lambda: Granite(cfg, **kw, rngs=nnx.Rngs(0)))
+    with _tracer_errors_without_origins():
+        return nnx.eval_shape(lambda: Granite(cfg, **kw, rngs=nnx.Rngs(0)))
+
+
+@contextlib.contextmanager
+def _tracer_errors_without_origins():
+    """Tracing with a tracer's attribute errors left without their note on where the tracer came from. flax NNX probes
+    `getattr(value, "sharding", None)` on every Variable assignment (each random key drawn); before jax-ml/jax#40041
+    that message walked every equation traced so far, so a large model's abstract construction was quadratic
+    (h-small's: ~4x slower). The note only ever served an error message."""
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
+    except ImportError:
+        yield
+        return
+    original = DynamicJaxprTracer.__dict__.get("_origin_msg")
+    if original is None:
+        yield
+        return
+    DynamicJaxprTracer._origin_msg = lambda self: ""
+    try:
+        yield
+    finally:
+        DynamicJaxprTracer._origin_msg = original
 
 
 def count_params(model: Granite) -> int:

@@ -334,6 +334,15 @@ def test_released_configs_build_abstractly_with_published_sizes(name, billions, 
     assert count_params(model) / 1e9 == pytest.approx(billions, abs=tol)
 
 
+def test_abstract_construction_restores_tracer_error_origins():
+    # abstract_model drops the origin note of tracer attribute errors only while it traces (a quadratic cost on
+    # older jax): afterwards tracers explain themselves again.
+    partial_eval = pytest.importorskip("jax._src.interpreters.partial_eval")
+    before = partial_eval.DynamicJaxprTracer.__dict__.get("_origin_msg")
+    abstract_model(released_config("granite-4.0-h-350m"))
+    assert partial_eval.DynamicJaxprTracer.__dict__.get("_origin_msg") is before
+
+
 def test_expert_routes_agree_with_float64_in_value_and_gradient():
     # `expert_linear` gathers the chosen experts' matrices for few rows (decoding) and groups many rows by expert for
     # one ragged product (prefill, training). Both are the float64 product, and their gradients agree: the model

@@ -82,7 +82,9 @@ def single_device_tokens(checkpoint) -> list[list[int]]:
     return [list(r.token_ids) for r in Generator(checkpoint).generate(PROMPTS, max_new_tokens=12, stop_token_ids=[])]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS[:3])
+# Tensor (heads and the KV cache split) and data (rows split); the experts' layout decodes in the mix, from the
+# command line below, and every layout's logits are checked above.
+@pytest.mark.parametrize("layout", ["model=8", "data=8"])
 def test_greedy_generation_over_each_layout_is_the_single_device_one(
     checkpoint, single_device_tokens, layout, mesh_devices
 ):
