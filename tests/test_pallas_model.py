@@ -113,10 +113,11 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
 
 @pytest.mark.slow(15)
 @pytest.mark.aot
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32-on-bf16"])
-def test_generation_steps_compile_for_h200(dtype, h200_target):
+def test_generation_steps_compile_for_h200(h200_target):
     # Beyond lowering: XLA's GPU compiler, Triton and ptxas accept the Generator's steps at h-tiny's shape (a Mamba
-    # and an attention layer, both MoE, as its fifth and sixth) with the Pallas SSD, for an 8K-token cache.
+    # and an attention layer, both MoE, as its fifth and sixth) with the Pallas SSD, for an 8K-token cache, in float32
+    # over bfloat16 weights (the bfloat16 steps compile for an H200 in the kernel-budget report's test).
+    dtype = jnp.float32
     from pallas_kernels import aot
 
     cfg = released_config("granite-4.0-h-tiny")

@@ -95,25 +95,11 @@ class Steps:
     `abstract(...)` gives shape-only arguments for `lower(...)` (compiling ahead of time fills jit's own cache)."""
 
     def __init__(self, model: Granite):
-        self.model, self.cfg, mesh = model, model.cfg, model.runtime.mesh
+        self.model, self.cfg = model, model.cfg
         graphdef, state = nnx.split(model)
         self.weights, treedef = jax.tree.flatten(state)
-        donate = dict(donate_argnums=(2,))  # (weights, prepared, cache, ...)
-        self.jitted: dict[str, Any] = {
-            "prefill": jax.jit(functools.partial(prefill_segment, graphdef, treedef), **donate),
-            "decode": jax.jit(functools.partial(decode_step, graphdef, treedef), **donate),
-            "decode_chunk": jax.jit(
-                functools.partial(decode_steps, graphdef, treedef), static_argnames=("chunk",), **donate
-            ),
-        }
-        # Over the model's mesh the weights arrive placed (`sharding.shard_model`), the cache is made in its shards,
-        # and XLA partitions each step from them.
-        layout = {}
-        init = functools.partial(Cache.init, row_blocks=model.row_blocks)
-        if mesh is not None:
-            abstract = jax.eval_shape(lambda: init(model.cfg, 1, 1, model.dtype))
-            layout = dict(out_shardings=sharding.cache_shardings(abstract, mesh))
-        self._cache = jax.jit(init, static_argnums=(0, 1, 2, 3), **layout)
+        self.jitted = _jitted_steps(graphdef, treedef)
+        self._cache = _jitted_cache_init(model.cfg, model.dtype, model.row_blocks, model.runtime.mesh)
 
     def prefill(self, prepared, cache: Cache, tokens, params: SamplerParams, step):
         return self.jitted["prefill"](self.weights, prepared, cache, tokens, params, step)
@@ -144,6 +130,33 @@ class Steps:
             pad = jax.ShapeDtypeStruct((batch,), jnp.int32)
             self._cache.lower(self.cfg, batch, cache_len, self.model.dtype, pad).compile()
         return compiled
+
+
+# Keyed by the model's structure (its graphdef: config, dtypes, runtime, mesh), not by the model: every Generator of
+# the same architecture shares one set of jitted steps, so a second one (another checkpoint, another run in the same
+# process) neither traces nor compiles again. Bounded: each entry holds its executables.
+@functools.lru_cache(maxsize=8)
+def _jitted_steps(graphdef: nnx.GraphDef, treedef) -> dict[str, Any]:
+    donate = dict(donate_argnums=(2,))  # (weights, prepared, cache, ...)
+    return {
+        "prefill": jax.jit(functools.partial(prefill_segment, graphdef, treedef), **donate),
+        "decode": jax.jit(functools.partial(decode_step, graphdef, treedef), **donate),
+        "decode_chunk": jax.jit(
+            functools.partial(decode_steps, graphdef, treedef), static_argnames=("chunk",), **donate
+        ),
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_cache_init(cfg: ModelConfig, dtype: Any, row_blocks: int, mesh: Mesh | None):
+    """Cache.init, jitted. Over a mesh the cache is made in its shards (the weights arrive placed by
+    `sharding.shard_model`), and XLA partitions each step from them."""
+    init = functools.partial(Cache.init, row_blocks=row_blocks)
+    layout = {}
+    if mesh is not None:
+        abstract = jax.eval_shape(lambda: init(cfg, 1, 1, dtype))
+        layout = dict(out_shardings=sharding.cache_shardings(abstract, mesh))
+    return jax.jit(init, static_argnums=(0, 1, 2, 3), **layout)
 
 
 def _abstract_arguments(kind: str, batch: int, tokens: int, cache: Cache) -> tuple:
