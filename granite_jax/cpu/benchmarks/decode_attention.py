@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -101,8 +102,16 @@ class Decoder:
         self.taken, self.room, self.params = 0, prefilled.room, prefilled.params
         self.weights, self.prepared = generator.steps.weights, prefilled.prepared
         self.tokens, self.cache = prefilled.tokens, jax.tree.map(jnp.copy, prefilled.cache)  # each step donates it
-        # Compiled here, so that what runs is what was traced now (and `uses_kernel` reads its program).
-        decode = generator.steps.jitted["decode"]
+        # Traced and compiled here, by a jit of its own (the Generator's are shared by models of one structure), so
+        # that what runs is what was traced now, under the op implementations now set (`uses_kernel` reads it).
+        from flax import nnx
+
+        from granite_jax.generation.steps import decode_step
+
+        treedef = jax.tree.structure(nnx.state(generator.steps.model))
+        decode = jax.jit(
+            functools.partial(decode_step, nnx.graphdef(generator.steps.model), treedef), donate_argnums=(2,)
+        )
         args = (self.weights, self.prepared, self.cache, self.tokens, self.params, np.int32(0))
         self.step = decode.lower(*args).compile()
         self.uses_kernel = ATTENTION_TARGET in self.step.as_text()
