@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from granite_jax.config import ModelConfig
+from granite_jax.errors import InputError
 from granite_jax.model import Granite
 from granite_jax.ops import Runtime
 from granite_jax.testing import TINY_CONFIG
@@ -157,6 +158,34 @@ def test_split_is_disjoint_and_stable():
     assert corpus.split_files(files[::-1], 0.05)[1] == held[::-1]  # membership by name, not by position
 
 
+def test_excluded_files_are_left_out(tmp_path):
+    stdlib = corpus.matched_files("stdlib", "data.train", "test/*, */tests/*")
+    names = {corpus.name(f) for f in stdlib}
+    assert os.path.join("json", "decoder.py") in names and "unittest/case.py" in names
+    assert not any(n.startswith("test/") or "/tests/" in n for n in names)
+    (tmp_path / "tests").mkdir()
+    for path in ("a.txt", "tests/b.txt"):
+        (tmp_path / path).write_text("x")
+    assert corpus.matched_files(f"{tmp_path}/**/*.txt", "data.train", "*/tests/*") == [str(tmp_path / "a.txt")]
+    with pytest.raises(InputError, match=r"data.held_out: no files matched .* but data.exclude='\*.txt'"):
+        corpus.matched_files(f"{tmp_path}/*.txt", "data.held_out", "*.txt")
+
+
+def test_a_run_recorded_before_a_field_existed_resumes_with_its_default(tmp_path):
+    from granite_jax.training import trainer
+    from granite_jax.training.config import base_config
+
+    config = base_config()
+    trainer.check_resumable(config, str(tmp_path))
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    del recorded["data"]["exclude"]  # as written before data.exclude was a field
+    (tmp_path / "config.json").write_text(json.dumps(recorded))
+    trainer.check_resumable(config, str(tmp_path))
+    config.data.exclude = "test/*"
+    with pytest.raises(InputError, match=r"data.exclude: '' there, 'test/\*' here"):
+        trainer.check_resumable(config, str(tmp_path))
+
+
 def test_ngram_baselines_match_a_direct_count():
     """Against the formulas evaluated token by token in float64 from counted dictionaries."""
     rng = np.random.default_rng(0)
@@ -243,7 +272,6 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_parameters(tmp_path):
     assert summary["held_out_loss"] < summary["baselines"]["unigram"] + 2  # trained, not diverged
     assert (tmp_path / "cut" / "loss.png").read_bytes()[:4] == b"\x89PNG"
     from granite_jax.cli import load_config
-    from granite_jax.errors import InputError
     from granite_jax.training import trainer
 
     changed = load_config(TINY_TRAIN)
@@ -275,7 +303,6 @@ def test_too_little_memory_says_which_micro_batch_fits(monkeypatch):
     """The advice names the largest micro-batch whose compiled step fits (its bytes as XLA reports them)."""
     from ml_collections import config_dict
 
-    from granite_jax.errors import InputError
     from granite_jax.training import trainer
 
     monkeypatch.setattr(trainer, "_compiled", lambda step, p, o, micro, config: micro)  # a "step" of micro GiB

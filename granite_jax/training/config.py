@@ -31,6 +31,7 @@ def base_config() -> config_dict.ConfigDict:
     c.data.train = "stdlib"  # comma-separated globs of text files, or "stdlib": this Python's standard library
     c.data.held_out = ""  # globs of held-out files; "": a share of data.train's files
     c.data.held_out_fraction = 0.05  # that share, chosen by a hash of each file's name
+    c.data.exclude = ""  # comma-separated patterns of files left out of both, e.g. "test/*" (stdlib: library paths)
     c.data.seq_len = 512  # tokens a row
 
     c.batch = config_dict.ConfigDict()

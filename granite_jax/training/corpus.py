@@ -6,6 +6,7 @@ files), split into a training and a held-out set by file, so no held-out line wa
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import os
@@ -27,28 +28,44 @@ def stdlib_sources() -> list[str]:
     return sorted(found, key=lambda p: os.path.relpath(p, root))
 
 
-def matched_files(patterns: str, field: str) -> list[str]:
-    """The files matched by comma-separated globs (`**` recurses), or `stdlib_sources()` for "stdlib"; InputError
-    naming the config field when nothing matches."""
+def matched_files(patterns: str, field: str, exclude: str = "") -> list[str]:
+    """The files matched by comma-separated globs (`**` recurses), or `stdlib_sources()` for "stdlib", but those
+    `exclude` names (`is_excluded`); InputError naming the config field when nothing is left."""
     if patterns.strip() == STDLIB:
         files = stdlib_sources()
     else:
-        names = [p.strip() for p in patterns.split(",") if p.strip()]
+        names = _patterns(patterns)
         files = sorted(
             {f for p in names for f in glob.glob(os.path.expanduser(p), recursive=True) if os.path.isfile(f)}
         )
+    files = [f for f in files if not is_excluded(f, exclude)]
     if not files:
-        raise InputError(f"{field}: no files matched {patterns!r}")
+        but = f" but data.exclude={exclude!r}" if exclude else ""
+        raise InputError(f"{field}: no files matched {patterns!r}{but}")
     return files
 
 
+def is_excluded(path: str, exclude: str) -> bool:
+    """Whether one of the comma-separated shell patterns `exclude` matches the file's name (`name`: "test/*" is the
+    standard library's test suite; `*` spans folders)."""
+    return any(fnmatch.fnmatchcase(name(path), p) for p in _patterns(exclude))
+
+
 def is_held_out(path: str, fraction: float) -> bool:
-    """Whether `path` belongs to the held-out split, by a hash of its name (a standard-library file's path within the
-    library; another's as globbed): the same split on every machine, and one that does not move as files are added."""
-    root = sysconfig.get_paths()["stdlib"]
-    name = os.path.relpath(path, root) if path.startswith(root + os.sep) else path
-    digest = hashlib.sha256(name.encode()).digest()
+    """Whether `path` belongs to the held-out split, by a hash of its name (`name`): the same split on every machine,
+    and one that does not move as files are added."""
+    digest = hashlib.sha256(name(path).encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def name(path: str) -> str:
+    """A file's name in the corpus: a standard-library file's path within the library, another's as globbed."""
+    root = sysconfig.get_paths()["stdlib"]
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+
+
+def _patterns(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
 
 
 def split_files(files: list[str], fraction: float) -> tuple[list[str], list[str]]:

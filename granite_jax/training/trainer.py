@@ -32,6 +32,7 @@ from granite_jax.ops import Runtime
 from granite_jax.presets import RELEASED
 from granite_jax.system import free_memory
 from granite_jax.training import corpus, data, quality, report, step
+from granite_jax.training.config import base_config
 from granite_jax.training.tokenizer import SPECIAL_TOKENS, train_bpe
 
 # Fields a resumed run may change: how often it evaluates, checkpoints, logs and what it exports. Any other change
@@ -111,9 +112,9 @@ def train(config: config_dict.ConfigDict, *, progress: bool | None = None) -> di
 
 def prepare(config: config_dict.ConfigDict, out: str) -> Run:
     """The run's tokenizer, splits and model (fresh from the seed, or the checkpoint `init_from`)."""
-    files = corpus.matched_files(config.data.train, "data.train")
+    files = corpus.matched_files(config.data.train, "data.train", config.data.exclude)
     if config.data.held_out:
-        held_files = corpus.matched_files(config.data.held_out, "data.held_out")
+        held_files = corpus.matched_files(config.data.held_out, "data.held_out", config.data.exclude)
         train_files = sorted(set(files) - set(held_files))
     else:
         train_files, held_files = corpus.split_files(files, config.data.held_out_fraction)
@@ -273,7 +274,7 @@ def check_resumable(config: config_dict.ConfigDict, out: str) -> None:
         _write_json(path, current)
         return
     with open(path) as f:
-        first = json.load(f)
+        first = _with_defaults(json.load(f), json.loads(base_config().to_json()))  # fields added since: their defaults
     for name, (was, now) in _differences(first, current).items():
         if name.split(".")[0] not in RESUMABLE_CHANGES:
             raise InputError(
@@ -281,6 +282,15 @@ def check_resumable(config: config_dict.ConfigDict, out: str) -> None:
                 "resume it with its config or choose a new output_dir"
             )
     _write_json(path, current)
+
+
+def _with_defaults(recorded: Any, defaults: Any) -> Any:
+    """A recorded config with the fields it lacks taken from `defaults` (the schema's fields of today)."""
+    if not isinstance(recorded, dict) or not isinstance(defaults, dict):
+        return recorded
+    return {k: _with_defaults(recorded[k], defaults.get(k)) if k in recorded else v for k, v in defaults.items()} | {
+        k: v for k, v in recorded.items() if k not in defaults
+    }
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
