@@ -41,6 +41,7 @@ class ModelConfig:
     mamba_chunk_size: int = 256
     mamba_conv_bias: bool = True
     rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02  # std of a fresh model's matrices, as transformers' `_init_weights`
     embedding_multiplier: float = 1.0
     attention_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -104,6 +105,7 @@ class ModelConfig:
         for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier"):
             _check_float(name, getattr(self, name))
         _check_float("rms_norm_eps", self.rms_norm_eps, positive=True)
+        _check_float("initializer_range", self.initializer_range, positive=True)
         _check_float("logits_scaling", self.logits_scaling, nonzero=True)
         if self.rope_theta is not None:
             _check_float("rope_theta", self.rope_theta, positive=True)
@@ -187,6 +189,7 @@ class ModelConfig:
             mamba_chunk_size=_int(d, "mamba_chunk_size", 256),
             mamba_conv_bias=_bool(d, "mamba_conv_bias", True),
             rms_norm_eps=_float(d, "rms_norm_eps", 1e-6),
+            initializer_range=_float(d, "initializer_range", 0.02),
             embedding_multiplier=_float(d, "embedding_multiplier", 1.0),
             attention_multiplier=_float(d, "attention_multiplier", 1.0),
             residual_multiplier=_float(d, "residual_multiplier", 1.0),
@@ -234,6 +237,7 @@ class ModelConfig:
             "mamba_conv_bias": self.mamba_conv_bias,
             "mamba_proj_bias": False,
             "rms_norm_eps": self.rms_norm_eps,
+            "initializer_range": self.initializer_range,
             "embedding_multiplier": self.embedding_multiplier,
             "attention_multiplier": self.attention_multiplier,
             "residual_multiplier": self.residual_multiplier,

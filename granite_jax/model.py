@@ -160,10 +160,13 @@ def scaled_linear(x: Array, w: Array, scale: Array) -> Array:
 class Linear(nnx.Module):
     """y = x W^T, bias-free, with W stored (out, in) as in the checkpoint: the product contracts W's contiguous axis,
     the one a decode step's matrix-vector product streams. Under float8 weights W is kept quantized with its
-    per-output-channel `weight_scale`."""
+    per-output-channel `weight_scale`. A fresh W is normal with standard deviation `std` (transformers'
+    `_init_weights`: the config's `initializer_range`)."""
 
-    def __init__(self, d_in: int, d_out: int, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
-        init = nnx.initializers.lecun_normal(in_axis=1, out_axis=0)
+    def __init__(
+        self, d_in: int, d_out: int, *, std: float, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs
+    ):
+        init = nnx.initializers.normal(std)
         w, scale = init(rngs.params(), (d_out, d_in), jnp.float32 if is_float8(param_dtype) else param_dtype), None
         if is_float8(param_dtype):
             w, scale = quantize(w, axis=1)
@@ -295,12 +298,11 @@ class MambaMixer(nnx.Module):
     ):
         self.cfg, self.dtype, self.blocks = cfg, dtype, blocks
         h, conv_dim = cfg.mamba_n_heads, mamba_conv_channels(cfg, blocks)
-        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        linear_kw = dict(std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.in_proj = Linear(cfg.hidden_size, cfg.mamba_d_inner + conv_dim + h, **linear_kw)
-        bound, param_dtype = 1 / math.sqrt(cfg.mamba_d_conv), dense_dtype(param_dtype)  # the vectors below
-        self.conv_weight = nnx.Param(
-            jax.random.uniform(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype, -bound, bound)
-        )
+        param_dtype = dense_dtype(param_dtype)  # the vectors below
+        conv_init = nnx.initializers.normal(cfg.initializer_range)
+        self.conv_weight = nnx.Param(conv_init(rngs.params(), (cfg.mamba_d_conv, conv_dim), param_dtype))
         self.conv_bias = nnx.Param(jnp.zeros((conv_dim,), param_dtype)) if cfg.mamba_conv_bias else None
         self.dt_bias = nnx.Param(jnp.ones((h,), param_dtype))
         self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(param_dtype))
@@ -375,7 +377,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
         H, hd = cfg.hidden_size, cfg.head_dim
-        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        linear_kw = dict(std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.q_proj = Linear(H, cfg.num_attention_heads * hd, **linear_kw)
         self.k_proj = Linear(H, cfg.num_key_value_heads * hd, **linear_kw)
         self.v_proj = Linear(H, cfg.num_key_value_heads * hd, **linear_kw)
@@ -465,7 +467,7 @@ class SharedMLP(nnx.Module):
     def __init__(
         self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, blocks: int = 1, rngs: nnx.Rngs
     ):
-        linear_kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        linear_kw = dict(std=cfg.initializer_range, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.blocks = blocks
         self.input_linear = Linear(cfg.hidden_size, 2 * cfg.shared_intermediate_size, **linear_kw)
         self.output_linear = Linear(cfg.shared_intermediate_size, cfg.hidden_size, **linear_kw)
@@ -496,9 +498,10 @@ class MoE(nnx.Module):
     ):
         self.cfg, self.dtype, self.blocks = cfg, dtype, blocks
         E, H, F = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
-        self.router = Linear(H, E, dtype=dtype, param_dtype=dense_dtype(param_dtype), rngs=rngs)
-        self.input_linear, self.input_linear_scale = _experts(rngs, (E, H, 2 * F), param_dtype)
-        self.output_linear, self.output_linear_scale = _experts(rngs, (E, F, H), param_dtype)
+        std = cfg.initializer_range
+        self.router = Linear(H, E, std=std, dtype=dtype, param_dtype=dense_dtype(param_dtype), rngs=rngs)
+        self.input_linear, self.input_linear_scale = _experts(rngs, (E, H, 2 * F), std, param_dtype)
+        self.output_linear, self.output_linear_scale = _experts(rngs, (E, F, H), std, param_dtype)
 
     def __call__(self, x: Array) -> Array:
         shape = x.shape
@@ -536,9 +539,12 @@ def experts_swiglu(
     return _scaled(expert_linear(h, w_out, experts), out_scale, experts)
 
 
-def _experts(rngs: nnx.Rngs, shape: tuple[int, int, int], param_dtype) -> tuple[nnx.Param, nnx.Param | None]:
-    """The experts' matrices (E, in, out), and under float8 weights their scales (E, out), one per output channel."""
-    w = nnx.initializers.normal(0.02)(rngs.params(), shape, jnp.float32 if is_float8(param_dtype) else param_dtype)
+def _experts(
+    rngs: nnx.Rngs, shape: tuple[int, int, int], std: float, param_dtype
+) -> tuple[nnx.Param, nnx.Param | None]:
+    """The experts' matrices (E, in, out), normal with standard deviation `std`, and under float8 weights their
+    scales (E, out), one per output channel."""
+    w = nnx.initializers.normal(std)(rngs.params(), shape, jnp.float32 if is_float8(param_dtype) else param_dtype)
     if not is_float8(param_dtype):
         return nnx.Param(w), None
     w, scale = quantize(w, axis=1)
@@ -588,6 +594,17 @@ class DecoderLayer(nnx.Module):
         return x + ffn * self.residual_multiplier, state
 
 
+def normal_zero_row(std: float, row: int | None):
+    """An embedding initializer: normal with standard deviation `std`, row `row` (the padding token's) zero, as
+    transformers' `_init_weights` leaves `nn.Embedding`'s `padding_idx` row."""
+
+    def init(key: Array, shape: tuple[int, ...], dtype=jnp.float32) -> Array:
+        w = nnx.initializers.normal(std)(key, shape, dtype)
+        return w if row is None else w.at[row].set(0)
+
+    return init
+
+
 class Granite(nnx.Module):
     """GraniteMoeHybridForCausalLM. `model(tokens)` gives logits; `model.forward(...)` also threads a `Cache`.
 
@@ -608,7 +625,15 @@ class Granite(nnx.Module):
     ):
         self.cfg, self.dtype, self.runtime, self.row_blocks = cfg, dtype, runtime or Runtime(), row_blocks
         dense = dense_dtype(param_dtype)  # the embedding is the tied head: float8 weights keep it in bfloat16
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dense, rngs=rngs)
+        std = cfg.initializer_range
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype=dtype,
+            param_dtype=dense,
+            embedding_init=normal_zero_row(std, cfg.pad_token_id),
+            rngs=rngs,
+        )
         self.layers = nnx.List(
             [
                 DecoderLayer(cfg, kind, dtype=dtype, param_dtype=param_dtype, row_blocks=row_blocks, rngs=rngs)
@@ -619,7 +644,7 @@ class Granite(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, param_dtype=dense, rngs=rngs)
+            else Linear(cfg.hidden_size, cfg.vocab_size, std=std, dtype=dtype, param_dtype=dense, rngs=rngs)
         )
 
     def __call__(self, tokens: Array, *, pad: Array | None = None) -> Array:

@@ -343,6 +343,36 @@ def test_abstract_construction_restores_tracer_error_origins():
     assert partial_eval.DynamicJaxprTracer.__dict__.get("_origin_msg") is before
 
 
+@pytest.mark.parametrize("variant", ["moe_hybrid", "untied_head"])
+def test_fresh_model_is_initialised_as_transformers_initialises_one(variant, tmp_path):
+    """Every tensor of a fresh model against the same tensor of a fresh transformers model of its config
+    (`_init_weights`): matrices, convolutions and the embedding normal with the config's `initializer_range`, the
+    padding token's row zero, norms one, and the Mamba vectors (dt_bias, A_log, D, conv bias) equal: a run from
+    scratch starts where transformers' would."""
+    from safetensors.numpy import load_file
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from granite_jax.checkpoint.hf import hf_tensors
+    from granite_jax.config import ModelConfig
+    from granite_jax.model import Granite
+    from granite_jax.testing import TINY_CONFIG
+
+    fields = TINY_CONFIG | VARIANTS[variant] | dict(vocab_size=96, pad_token_id=3, initializer_range=0.05)
+    ours = hf_tensors(Granite(ModelConfig.from_hf_dict(fields), rngs=nnx.Rngs(0)))
+    torch.manual_seed(0)
+    GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).save_pretrained(tmp_path)  # checkpoint names
+    theirs = load_file(tmp_path / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, ref in theirs.items():
+        assert ours[name].shape == ref.shape, name
+        if ref.std() == 0 or name.endswith("A_log"):  # constants: ones, zeros, log(1..h)
+            np.testing.assert_allclose(ours[name], ref, rtol=1e-6, err_msg=name)
+        else:
+            assert ours[name].std() == pytest.approx(ref.std(), rel=0.15), name
+            assert abs(ours[name].mean()) < 4 * ref.std() / np.sqrt(ref.size), name
+    np.testing.assert_array_equal(ours["model.embed_tokens.weight"][3], 0)
+
+
 def test_expert_routes_agree_with_float64_in_value_and_gradient():
     # `expert_linear` gathers the chosen experts' matrices for few rows (decoding) and groups many rows by expert for
     # one ragged product (prefill, training). Both are the float64 product, and their gradients agree: the model

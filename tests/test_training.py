@@ -60,7 +60,7 @@ def test_gradients_match_float64_finite_differences(float64, remat):
     grads = jax.jit(jax.grad(lambda p: _mean_loss(graphdef, p, tokens)))(params)
     assert all(g.dtype == jnp.float64 for g in jax.tree.leaves(grads))
     rng = np.random.default_rng(0)
-    eps = 1e-5
+    eps = 1e-6  # the weights' scale is 0.02: a unit direction curves the loss; rounding stays ~1e-10 over 2e-6
     for _ in range(3):
         direction = jax.tree.map(lambda p: rng.standard_normal(p.shape), params)
         moved = [loss(jax.tree.map(lambda p, d, s=s: p + s * eps * d, params, direction)) for s in (1, -1)]
@@ -90,7 +90,7 @@ def test_a_few_steps_make_the_loss_fall():
     """AdamW on one repeated batch of text-like tokens: the loss falls well below its start, and gradient
     accumulation over two micro-batches makes the same update as the whole batch at once."""
     graphdef, params = nnx.split(tiny_model())
-    lr = step.schedule(1e-2, 2, 30, 0.1)
+    lr = step.schedule(3e-2, 2, 30, 0.1)
     tx = step.optimizer(lr, weight_decay=0.1, b1=0.9, b2=0.95, clip_norm=1.0)
     train_step = step.make_train_step(graphdef, tx)
     tokens = np.tile(np.arange(17, dtype=np.int32) % 11, (4, 1))

@@ -94,8 +94,8 @@ def with_num_layers(cfg: ModelConfig, n: int) -> ModelConfig:
 def random_model(
     cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=None, runtime: Runtime | None = None, seed: int = 0
 ) -> Granite:
-    """Random weights (Flax's initialisers under `seed`) of the architecture `cfg`, in `param_dtype` (None: dtype),
-    run with `runtime` (None: the default)."""
+    """Random weights (transformers' initialisation, drawn under `seed`) of the architecture `cfg`, in
+    `param_dtype` (None: dtype), run with `runtime` (None: the default)."""
     return Granite(cfg, dtype=dtype, param_dtype=param_dtype or dtype, runtime=runtime, rngs=nnx.Rngs(seed))
 
 
