@@ -7,6 +7,7 @@ exit code 2, never a usage block or a traceback.
   --config.x=y`: the experiment command and `rewriter.report`), naming a missing or broken config file, a field
   of the file that the command does not read or lacks or whose value does not fit its type, and an override
   that names no field or does not fit its type.
+- `guarded`: a command's exit status, with bad input (`InputError`) one line and 2, Ctrl-C 130.
 """
 
 from __future__ import annotations
@@ -190,6 +191,21 @@ def printable(text: str) -> str:
 def fail(prog: str, message: str) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def guarded(prog: str, run: Callable[[], int]) -> int:
+    """A command's exit status: `run()`'s, or 2 with one line for bad input (an `InputError`), or 130 for Ctrl-C
+    (the interrupt's message, if it has one, says what resumes)."""
+    from granite_jax.errors import InputError
+
+    try:
+        return run()
+    except InputError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        print(f"{prog}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 def load_config(path: str, arg: str | None = None):

@@ -19,7 +19,7 @@ import numpy as np
 
 from granite_jax import cli, sharding
 from granite_jax.checkpoint import AUTO, DTYPES, FLOAT8_NAME, NO_MODEL_MESSAGE, WEIGHT_DTYPES, default_model_dir
-from granite_jax.errors import GenerationError, InputError
+from granite_jax.errors import GenerationError
 from granite_jax.generation import Generator, SamplingConfig, Timing
 from granite_jax.generation.generator import DECODE_CHUNK, StreamCallback
 from granite_jax.ops import SSD_IMPLS, Runtime
@@ -341,14 +341,7 @@ def _json_safe(x):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run_cli(args)
-    except InputError as e:
-        print(f"granite_jax.generate: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("granite_jax.generate: interrupted", file=sys.stderr)
-        return 130
+    return cli.guarded("granite_jax.generate", lambda: run_cli(args))
 
 
 if __name__ == "__main__":

@@ -201,14 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except InputError as e:
-        print(f"granite_jax.serve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("granite_jax.serve: interrupted", file=sys.stderr)
-        return 130
+    return cli.guarded("granite_jax.serve", lambda: run(args))
 
 
 if __name__ == "__main__":

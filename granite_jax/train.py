@@ -22,8 +22,7 @@ import jax
 from absl import app, logging
 from ml_collections import config_flags
 
-from granite_jax.cli import fail, flags_parser, use_compilation_cache
-from granite_jax.errors import InputError
+from granite_jax.cli import fail, flags_parser, guarded, use_compilation_cache
 from granite_jax.training.config import schema
 
 PROG = "granite_jax.train"
@@ -53,16 +52,15 @@ def main(argv: list[str]) -> None:
 
     if jax.default_backend() == "gpu":
         print(f"{PROG}: the SSD runs as 'xla' (differentiable); the Pallas kernels are forward-only", file=sys.stderr)
-    try:
-        summary = train(config)
-    except InputError as e:
-        fail(PROG, str(e))
-    except KeyboardInterrupt as e:
-        print(f"{PROG}: {e or 'interrupted'}", file=sys.stderr)
-        sys.exit(130)
+    sys.exit(guarded(PROG, lambda: report(train(config))))
+
+
+def report(summary: dict) -> int:
+    """Print a finished run's summary (JSON) and its completions' parse share."""
     print(json.dumps({k: v for k, v in summary.items() if k != "completions"}, indent=2))
     if "completions" in summary:
         print(f"held-out function headers whose completion parses: {summary['completions']['parse_share']:.0%}")
+    return 0
 
 
 # Bad flags and config files: one line, exit code 2.

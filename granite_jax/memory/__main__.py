@@ -363,14 +363,8 @@ def write(path: str, obj: dict[str, Any]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run_cli(args)
-    except InputError as e:
-        print(f"granite_jax.memory: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # --measure runs for minutes on a large model; it writes nothing until the end
-        print("granite_jax.memory: interrupted", file=sys.stderr)
-        return 130
+    # --measure runs for minutes on a large model and writes nothing until the end: Ctrl-C loses nothing
+    return cli.guarded("granite_jax.memory", lambda: run_cli(args))
 
 
 if __name__ == "__main__":
