@@ -115,16 +115,24 @@ def per_layer(cfg, args: argparse.Namespace, step: str) -> dict[str, dict[str, A
 
 
 def step_floor(cfg, args: argparse.Namespace, step: str) -> dict[str, float]:
-    """Bytes and FLOPs the step must move whatever the program, and the time they take at the H200's rates."""
+    """`floor` of the step named `step` (STEPS) under args' dtypes and cache length."""
+    kind, batch, tokens = STEPS[step]
+    return floor(cfg, kind, batch, tokens, dtype=args.dtype, weight_dtype=args.weight_dtype, cache_len=args.cache_len)
+
+
+def floor(
+    cfg, kind: str, batch: int, tokens: int, *, dtype: str, weight_dtype: str | None = None, cache_len: int = 0
+) -> dict[str, float]:
+    """Bytes and FLOPs a step must move whatever the program, and the time they take at the H200's rates: a prefill
+    of `tokens` a row, or a decode step of one token a row over a cache of max(cache_len, tokens) slots."""
     import jax.numpy as jnp
 
     from granite_jax.experiments.throughput import parameter_sizes
     from granite_jax.model import abstract_model
     from pallas_kernels.executable import H200_BYTES_PER_S, H200_FLOPS_PER_S
 
-    kind, batch, tokens = STEPS[step]
-    act = jnp.dtype(args.dtype).itemsize
-    sizes = parameter_sizes(abstract_model(cfg, dtype=args.dtype, param_dtype=args.weight_dtype or args.dtype))
+    act = jnp.dtype(dtype).itemsize
+    sizes = parameter_sizes(abstract_model(cfg, dtype=dtype, param_dtype=weight_dtype or dtype))
     experts, k = max(cfg.num_local_experts, 1), cfg.num_experts_per_tok
     touched = 1 - (1 - k / experts) ** (batch * tokens)  # expected share of the experts some token is routed to
     n_attention, n_mamba = cfg.layer_types.count("attention"), cfg.layer_types.count("mamba")
@@ -137,7 +145,7 @@ def step_floor(cfg, args: argparse.Namespace, step: str) -> dict[str, float]:
     nbytes = sizes["dense_bytes"] + sizes["routed_bytes"] * touched
     flops = 2.0 * active * batch * tokens
     if kind == "decode":
-        cache = max(args.cache_len, tokens)
+        cache = max(cache_len, tokens)
         nbytes += n_attention * batch * cache * kv_row + n_mamba * batch * 2 * (state + conv)  # states read and written
         flops += n_attention * 4.0 * batch * cache * heads * head_dim  # scores and values over the cache
         flops += n_mamba * 6.0 * batch * cfg.mamba_n_heads * cfg.mamba_d_head * cfg.mamba_d_state

@@ -28,6 +28,7 @@ PATHS = {  # script -> its path (the CPU kernels' benchmarks live in their optio
             "rewrite_ssd.py",
             "gpu_ssd.py",
             "gpu_generate.py",
+            "gpu_check.py",
             "memory_saving.py",
             "float8_accuracy.py",
             "first_token.py",
@@ -56,6 +57,7 @@ FLAGS = {
         "--decode-batches --min-seconds --peak-tflops --peak-gbs --out --smoke --replot --once"
     ),
     "gpu_generate.py": "--max-new-tokens --repeats --out --smoke",
+    "gpu_check.py": "--parts --budget-seconds --out-dir --smoke",
     "gpu_report.py": (
         "--shape --layers --steps --dtype --weight-dtype --ssd-impl --cache-len --gpu --no-per-layer --top --json "
         "--budget --record-budget"
@@ -99,6 +101,8 @@ BAD = [
     ("gpu_generate.py", ["--smoke", "--max-new-tokens", "0"], "argument --max-new-tokens: must be >= 1, got 0"),
     ("gpu_generate.py", ["--smoke", "--repeats", "x"], "argument --repeats: expected a positive integer, got 'x'"),
     ("gpu_generate.py", ["--smoke", "--out", "{dir}"], "is a directory"),
+    ("gpu_check.py", ["--smoke", "--parts", "tokens,speeds"], "--parts: unknown part 'speeds'; expected some of"),
+    ("gpu_check.py", ["--smoke", "--budget-seconds", "0"], "argument --budget-seconds: must be > 0"),
     ("gpu_ssd.py", ["--smoke", "--decode-batches", "x"], "argument --decode-batches: expected comma-separated"),
     ("gpu_ssd.py", ["--smoke", "--lengths", "64"], "--lengths does not apply with --smoke"),
     ("gpu_ssd.py", ["--smoke", "--lengths", "2048,8192,32768"], "--lengths does not apply with --smoke"),

@@ -8,6 +8,7 @@ import functools
 import json
 import os
 import runpy
+import sys
 
 import pytest
 
@@ -126,3 +127,83 @@ def test_report_keeps_the_steps_within_their_kernel_budget(h200_target, tmp_path
     assert f"| {step} | {doc['steps'][step]['totals']['kernels']} |" in stdout
     over = runpy.run_path(report)["over_budget"](doc, {name: n - 1 for name, n in budget.items()})
     assert len(over) == len(budget) and "over its budget" in over[0]  # one kernel more than recorded fails
+
+
+CHECK_SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+
+
+def _trace(kernels: list[tuple[str, float, float, dict]]) -> dict:
+    """A profiler trace as `jax.profiler` writes it: a host process with a Python thread, and the GPU's process with
+    a stream thread (the kernels) and XLA's derived op line (the same kernels again, not to be counted twice)."""
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 1, "tid": 10, "name": "thread_name", "args": {"name": "python"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+    events = [{"ph": "X", "pid": 1, "tid": 10, "name": "PjitFunction(decode_step)", "ts": 0, "dur": 500}]
+    for name, ts, dur, args in kernels:
+        events += [
+            {"ph": "X", "pid": 2, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args} for tid in (7, 8)
+        ]
+    return {"traceEvents": meta + events}
+
+
+def test_profile_splits_device_time_by_kernel_category_and_idle_gaps():
+    split = script_main(CHECK_SCRIPT).__globals__["device_time_split"]
+    trace = _trace([
+        ("gemm_fusion_dot.6", 0, 10, {}),
+        ("input_reduce_fusion.26", 10, 4, {"tf_op": "jit(decode_step)/rk,rkn->rn/dot_general"}),  # an expert GEMV
+        ("ssd_decode", 16, 5, {}),  # 2 us idle before it
+        ("fusion.13", 21, 1, {"tf_op": "jit(decode_step)/top_k"}),
+        ("input_reduce_fusion.22", 22, 2, {"tf_op": "jit(decode_step)/reduce_sum"}),
+        ("MemcpyD2H", 30, 1, {}),  # 6 us idle before it
+        ("flash_fwd_kernel", 24, 3, {}),  # out of order, inside the gap: 3 of its 6 us busy
+    ])  # fmt: skip
+    got = split(trace)
+    assert got["kernels"] == 7  # the stream's, not the derived op line's or the host's
+    assert got["GEMM"] == pytest.approx(14e-6) and got["SSD"] == pytest.approx(5e-6)
+    assert got["MoE routing"] == pytest.approx(1e-6) and got["norm/elementwise"] == pytest.approx(2e-6)
+    assert got["attention"] == pytest.approx(3e-6) and got["copies"] == pytest.approx(1e-6)
+    assert got["idle gaps"] == pytest.approx((2 + 3) * 1e-6)
+
+
+def test_each_timed_step_stands_beside_its_floor_and_transformers(tmp_path, capsys):
+    ns = script_main(CHECK_SCRIPT).__globals__
+    compare = {"speed": [  # compare.json's rows: whole prefills, and decodes of new_tokens - 1 steps
+        {"batch": b, "prompt_len": 512, "new_tokens": 17, "jax": {"prefill_s": 0.07 * b, "decode_s": 0.016 * 16},
+         "hf": {"prefill_s": 0.3 * b, "decode_s": 0.06 * 16}} for b in (1, 8)]}  # fmt: skip
+    floors = []
+
+    def floor(kind, batch, tokens, cache_len=0):
+        floors.append((kind, batch, tokens, cache_len))
+        return {"seconds": 1e-3 * batch * (tokens if kind == "prefill" else 1)}
+
+    rows = {r["step"]: r for r in ns["speed_rows"](compare, floor)}
+    assert floors == [("prefill", 1, 512, 0), ("decode", 1, 1, 529), ("prefill", 8, 512, 0), ("decode", 8, 1, 529)]
+    decode = rows["decode b8 T512"]
+    assert decode["seconds"] == pytest.approx(0.016) and decode["transformers_seconds"] == pytest.approx(0.06)
+    assert decode["share_of_floor"] == pytest.approx(8e-3 / 0.016) and decode["vs_transformers"] == pytest.approx(3.75)
+    assert rows["prefill b1 T512"]["over_floor"] == pytest.approx(0.07 / 0.512)
+    real = ns["model_floor"](ns["shape_config"](smoke=True), "float32")  # gpu_report's floor, on the tiny hybrid
+    assert real("prefill", 2, 64)["seconds"] > real("prefill", 1, 32)["seconds"] > 0
+    summary = {"steps": list(rows.values()), "correctness": {"tokens": True}}
+    ns["plot"](summary, str(tmp_path / "steps.png"))
+    assert (tmp_path / "steps.png").read_bytes()[:8] == PNG
+    assert "| decode b8 T512 | 16.000 | 50.0% | 60.000 | 3.75x |" in ns["report"](summary)
+
+
+def test_a_part_that_fails_or_runs_out_is_recorded_and_the_rest_go_on(tmp_path, capsys):
+    ns = script_main(CHECK_SCRIPT).__globals__
+    result = tmp_path / "r.json"
+    result.write_text('{"ok": true}')
+    ok = ns["run_part"]("a", [sys.executable, "-c", "print('fine')"], str(result), 60)
+    failed = ns["run_part"]("b", [sys.executable, "-c", "import sys; print('broke'); sys.exit(3)"], "/none", 60)
+    slow = ns["run_part"]("c", [sys.executable, "-c", "import time; time.sleep(30)"], "/none", 1)
+    assert ok["status"] == "ok" and ok["result"] == {"ok": True}
+    assert failed["status"] == "exit 3" and "broke" in failed["output_tail"] and "result" not in failed
+    assert slow["status"].startswith("timed out after 1 s") and slow["seconds"] < 20
+    assert ns["summarize"]([failed | {"part": "tokens"}], True)["correctness"] == {"tokens": False}
+    code, _, err = run(capsys, "--parts", "speed,nope", script=CHECK_SCRIPT)
+    assert code == 2 and "--parts: unknown part 'nope'" in err
