@@ -59,7 +59,9 @@ def report(summary: dict) -> int:
     """Print a finished run's summary (JSON) and its completions' parse share."""
     print(json.dumps({k: v for k, v in summary.items() if k != "completions"}, indent=2))
     if "completions" in summary:
-        print(f"held-out function headers whose completion parses: {summary['completions']['parse_share']:.0%}")
+        c = summary["completions"]
+        print(f"held-out function headers whose completion parses: {c['parse_share']:.0%} "
+              f"({c['parse_and_end_share']:.0%} also end before the token limit)")  # fmt: skip
     return 0
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from granite_jax.checkpoint import default_model_dir
 from granite_jax.generation import Generator
+from granite_jax.training import quality
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
 
@@ -56,11 +57,12 @@ def test_transformers_decodes_the_same_greedy_tokens(model_dir):
 def test_generate_completes_python_with_it_by_default():
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
     out = subprocess.run(
-        [sys.executable, "-m", "granite_jax.generate", "--prompt", "def add(a, b):", "--max-new-tokens", "12"],
+        [sys.executable, "-m", "granite_jax.generate", "--prompt", "def add(a, b):", "--max-new-tokens", "48"],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "return" in out.stdout, out.stdout
+    body = quality.function_body(out.stdout)  # greedy: a whole body, cut where it dedents, that parses
+    assert quality.parses("def add(a, b):", body) and "return" in body, out.stdout

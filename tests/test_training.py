@@ -220,6 +220,7 @@ def test_function_bodies_are_cut_at_the_first_dedent(tmp_path):
     assert quality.function_body(method) == "\n        return self.x"
     assert quality.parses("def get(self):", quality.function_body(method))
     assert quality.function_body("\nreturn 1\n") == ""  # a first line at column 0 is no body
+    assert quality.ends(completion) and not quality.ends("\n    x = 1\n    return (x +")  # cut by the token limit
     headers = quality.function_headers(
         corpus.matched_files(os.path.join(os.path.dirname(json.__file__), "*.py"), "x"), 3
     )

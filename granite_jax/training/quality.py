@@ -60,6 +60,18 @@ def function_body(completion: str) -> str:
     a method's header shown dedented gets one), and, if generation stopped before one, without its last, unfinished
     line."""
     lines = completion.split("\n")
+    end = _dedent(lines)
+    return "\n".join(lines[:end] if end is not None else lines[:-1])
+
+
+def ends(completion: str) -> bool:
+    """Whether the completion's body ends at a dedent of its own, not cut short by the token limit."""
+    return _dedent(completion.split("\n")) is not None
+
+
+def _dedent(lines: list[str]) -> int | None:
+    """The index of the first non-blank line after the first that is indented less than the body's first line (or at
+    column 0), if any."""
     depth = None
     for i, line in enumerate(lines[1:], start=1):
         if not line.strip():
@@ -68,8 +80,8 @@ def function_body(completion: str) -> str:
         if depth is None:
             depth = indent
         if indent < depth or indent == 0:
-            return "\n".join(lines[:i])
-    return "\n".join(lines[:-1])
+            return i
+    return None
 
 
 def parses(header: str, body: str) -> bool:
@@ -82,12 +94,15 @@ def parses(header: str, body: str) -> bool:
 
 def header_completions(generator, headers: list[str], max_new_tokens: int) -> dict:
     """Greedy completions of `headers` by a `Generator`, cut at the first dedent: the share whose function parses as
-    Python (`ast.parse`), and each header with its body."""
+    Python (`ast.parse`), the share that also ends at a dedent of its own (a body cut short by the token limit, its
+    unfinished last line dropped, may parse too), and each header with its body."""
     # The prompt ends at the colon: a trailing newline would split the "newline + indent" token BPE learned.
     results = generator.generate(headers, max_new_tokens=max_new_tokens)
     items = []
     for header, result in zip(headers, results):
         body = function_body(result.text)
-        items.append({"header": header, "body": body, "parses": parses(header, body)})
-    share = sum(item["parses"] for item in items) / max(len(items), 1)
-    return {"parse_share": share, "count": len(items), "completions": items}
+        items.append({"header": header, "body": body, "parses": parses(header, body), "ends": ends(result.text)})
+    n = max(len(items), 1)
+    share = sum(item["parses"] for item in items) / n
+    ended = sum(item["parses"] and item["ends"] for item in items) / n
+    return {"parse_share": share, "parse_and_end_share": ended, "count": len(items), "completions": items}
