@@ -16,7 +16,7 @@ and the model's FLOPs, at the same rates.
 
 One layer of each kind is measured apart, as the difference between models of one and two of the shape's layers
 (what is left, the embedding, head and sampler, is "rest"), so that each line says where a step's launches come
-from. Conditionals count their cheapest branch (greedy sampling); loops their known trip count.
+from. Conditionals count the branch moving the fewest bytes (greedy sampling); loops their known trip count.
 
 --budget FILE reads the arguments and the largest kernel count allowed for each step from FILE, runs those, and exits
 with 1 if a step launches more kernels than its budget (CI runs it at reduced depth). --record-budget writes such a
@@ -90,18 +90,20 @@ def step_launches(cfg, args: argparse.Namespace, step: str) -> list:
     import jax.numpy as jnp
 
     import pallas_kernels
-    from granite_jax.generation.steps import abstract_steps
+    from granite_jax.generation.steps import abstract_steps, compiler_options
     from granite_jax.ops import Runtime
     from pallas_kernels import aot, executable
 
     kind, batch, tokens = STEPS[step]
     cache_len = max(args.cache_len, tokens)
     dtype, weight_dtype = jnp.dtype(args.dtype), jnp.dtype(args.weight_dtype or args.dtype)
+    runtime = Runtime(ssd=args.ssd_impl, platform="gpu")
     fns = abstract_steps(cfg, batch=batch, prompt_len=tokens, cache_len=cache_len, dtype=dtype,
-                         weight_dtype=weight_dtype, runtime=Runtime(ssd=args.ssd_impl, platform="gpu"))  # fmt: skip
+                         weight_dtype=weight_dtype, runtime=runtime)  # fmt: skip
     fn, fn_args = fns[kind]
-    with pallas_kernels.cuda_lowering():  # (weights, prepared, cache, ...): the cache donated, as the Generator does
-        return executable.launches(aot.lower_for_gpu(fn, fn_args, args.gpu, (2,)))
+    with pallas_kernels.cuda_lowering():  # (weights, prepared, cache, ...): the cache donated, and XLA's options, as
+        lowered = aot.lower_for_gpu(fn, fn_args, args.gpu, (2,))  # the Generator compiles its steps
+        return executable.launches(lowered, compiler_options(runtime))
 
 
 def per_layer(cfg, args: argparse.Namespace, step: str) -> dict[str, dict[str, Any]]:

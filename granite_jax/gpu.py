@@ -11,6 +11,8 @@ formulations that suit a GPU better than the model's plain ones. Plain JAX, so i
   product runs (scale max|x| / 448, as the released FP8 checkpoints' "dynamic, per token" activations are), multiplied
   with the float8 weights accumulating in float32, and each output rescaled by its row's and its channel's scales:
   x @ (s_w w)^T = s_x s_w (x / s_x) @ w^T. XLA lowers a float8 x float8 dot to cuBLASLt's FP8 GEMM on Hopper.
+
+`COMPILER_OPTIONS`: the XLA options the Generator compiles its steps with on a GPU (every kernel inside CUDA graphs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,15 @@ from jax import Array, lax
 
 from granite_jax import model, ops
 
+# XLA options for the programs the project compiles for a GPU (the Generator's steps, the deviceless report). A decode
+# step of h-tiny is some 700 small kernels: launched one by one from the host they cost more than they compute, so
+# every one of them goes into a CUDA graph (an XLA command buffer). XLA leaves out of graphs the kernels of control
+# flow (the step's greedy-or-sampled conditional; the on-device decode loop) unless CONDITIONAL and WHILE are listed,
+# which CUDA's conditional graph nodes run, and any run of fewer than `xla_gpu_graph_min_graph_size` kernels (the
+# greedy branch's four).
+COMMAND_BUFFER = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION", "CONDITIONAL",
+                  "WHILE")  # fmt: skip
+COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER), "xla_gpu_graph_min_graph_size": 1}
 MIN_BLOCK, MAX_BLOCK = 16, 512  # rows per block: a tensor-core tile's worth at least, and enough to reuse a weight
 BYTES_PER_S, FLOPS_PER_S = 4.8e12, 989e12  # an H200's HBM and dense bfloat16 rates, to choose between products
 

@@ -217,9 +217,12 @@ class GatedRMSNorm(nnx.Module):
 
 def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
     """weight * norm(y * silu(z)), one RMS statistic per group of d_inner / groups channels (gate before the norm)."""
-    gated = widened(y) * jax.nn.silu(widened(z))
-    grouped = gated.reshape(*gated.shape[:-1], groups, -1)
-    normed = rms_normalize(grouped, eps).reshape(gated.shape)
+    return group_rms_norm(widened(y) * jax.nn.silu(widened(z)), weight, groups, eps, dtype)
+
+
+def group_rms_norm(x: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
+    """weight * norm(x), one RMS statistic per group of x's last axis split into `groups`; in `dtype`."""
+    normed = rms_normalize(x.reshape(*x.shape[:-1], groups, -1), eps).reshape(x.shape)
     return (weight * normed.astype(dtype)).astype(dtype)
 
 

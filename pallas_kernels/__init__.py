@@ -1,4 +1,5 @@
-"""Pallas GPU kernels (Triton lowering) for the Mamba-2 SSD: chunked prefill and the one-token decode update.
+"""Pallas GPU kernels (Triton lowering) for Granite's hybrid layers: the Mamba-2 SSD's chunked prefill and one-token
+update, a Mamba mixer's whole decode step, and decode attention over the KV cache.
 
 Public API (the contracts of `granite_jax.ssd.ssd_chunked` and `granite_jax.ssd.ssd_step` for Mamba's inputs, A <= 0
 and processed dt >= 0; other values are not checked and give wrong results, as every exponent is clamped to <= 0):
@@ -7,7 +8,15 @@ and processed dt >= 0; other values are not checked and give wrong results, as e
   dt_limit=(0, inf), out_dtype=float32, config=None) -> (y (b, L, h, p), final_state (b, h, p, n) float32)`
 - `ssd_decode(state, x, dt, A, B, C, D, *, dt_bias=None, dt_softplus=False, dt_limit=(0, inf), config=None)
   -> (y (b, h, p) float32, new_state (b, h, p, n) float32)`, the state updated in place (`input_output_aliases`).
-- `PrefillConfig`, `DecodeConfig`: tiling and launch parameters.
+- `mamba_step(zxbcdt, ring, slot, conv_weight, conv_bias, dt_bias, A_log, D, state, *, groups, dt_limit=(0, inf),
+  token_mask=None, config=None) -> (gated (b, d_inner) float32, new ring, new state)`: a Mamba-2 mixer's whole decode
+  step between its projections but the norm (the contract of `granite_jax.model.MambaMixer.mix`), the conv ring and
+  the state updated in place; `takes_mamba_step(head_dim, state_dim)` says which dims it runs.
+- `decode_attention(q, k, v, pad, slot, scale, *, config=None) -> (b, kv, rep, hd)`: one query per row over a KV
+  cache (the contract of `granite_jax.model.attend_cache` for one query), split over the keys (flash-decoding);
+  `takes_decode_attention(head_dim, cache_len)` says which dims it runs.
+- `PrefillConfig`, `DecodeConfig` (the one-token update and the Mamba step), `AttentionConfig`: tiling and launch
+  parameters.
 
 Forward only (no differentiation rules): differentiate through `ssd_impl="xla"`.
 
@@ -28,17 +37,24 @@ overflows), and `pallas_kernels.executable` reads what such a program launches: 
 """
 
 from pallas_kernels._call import PallasUnavailableError, check_available, cuda_lowering, interpret_mode
+from pallas_kernels.attention import AttentionConfig, decode_attention, takes_decode_attention
 from pallas_kernels.decode import DecodeConfig, ssd_decode
+from pallas_kernels.mamba_step import mamba_step, takes_mamba_step
 from pallas_kernels.prefill import PrefillConfig, kernel_chunk, ssd_prefill
 
 __all__ = [
+    "AttentionConfig",
     "DecodeConfig",
     "PallasUnavailableError",
     "PrefillConfig",
     "check_available",
     "cuda_lowering",
+    "decode_attention",
     "interpret_mode",
     "kernel_chunk",
+    "mamba_step",
     "ssd_decode",
     "ssd_prefill",
+    "takes_decode_attention",
+    "takes_mamba_step",
 ]

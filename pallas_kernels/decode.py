@@ -26,7 +26,7 @@ from pallas_kernels._common import F32, Array, check_dt_limit, check_int, pad_ax
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-    """Tiling and launch parameters of the decode kernel."""
+    """Tiling and launch parameters of the decode kernels (`ssd_decode`, `mamba_step`)."""
 
     block_p: int = 16  # state rows per program
     num_warps: int = 4

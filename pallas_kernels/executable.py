@@ -8,8 +8,10 @@ runs inside a CUDA graph (an XLA command buffer), how many times a run launches 
   inside a `kCommandBuffer` are recorded into a CUDA graph and replayed as one launch.
 - Loops: a `kWhile` body runs its known trip count (XLA's `known_trip_count`), its condition once more; a loop whose
   trip count XLA does not know is counted once, and its launches say so (`trips_known=False`).
-- Conditionals: the cheapest branch is counted (the Generator's steps branch between greedy and sampled decoding; the
-  greedy branch is the cheaper one), and the other branches are left out.
+- Conditionals: the branch moving the fewest bytes is counted (the Generator's steps branch between greedy and sampled
+  decoding; the greedy branch reads the logits least), and the other branches are left out. Bytes, not predicted
+  time: a branch's launch costs depend on which of its kernels XLA put in a graph, which can change with the program
+  around it.
 - Bytes and FLOPs are XLA's `HloCostAnalysis` of each fusion alone (a module holding just that fusion, so that a
   fusion reading a slice of a parameter is charged for the slice); a parameter the fusion only gathers from is
   charged for the rows gathered, not the whole operand as the cost analysis does. A cuBLAS GEMM is charged 2·M·N·K
@@ -302,7 +304,7 @@ class _Walk:
                 out += self.run(t.sections.get("body", []), graphed, count * n, known and trips is not None)
             elif t.kind == "kConditional":
                 branches = [self.run(b, graphed, count, known) for b in t.sections.values()]
-                out += min(branches, key=lambda b: sum(k.seconds() for k in b), default=[])
+                out += min(branches, key=lambda b: sum(k.bytes * k.count for k in b), default=[])
             else:  # a kernel, a copy, a library call, a memset: one launch each
                 out.append(self._launch(t, graphed, count, known))
         return out

@@ -485,3 +485,19 @@ def test_chat_applies_the_template(generator):
     )
     _, (plain,) = generator.prompts.encode("Hi there")
     assert len(plain) < len(ids)
+
+
+# ---------------------------------------------------------------------------------------------- compiled steps
+
+
+def test_steps_compile_for_a_gpu_with_every_kernel_in_cuda_graphs():
+    # The options themselves are checked where they act: no decode kernel outside graphs in the deviceless report
+    # (tests/test_gpu_benchmark.py).
+    from granite_jax.generation.steps import compiler_options
+    from granite_jax.gpu import COMPILER_OPTIONS
+
+    options = compiler_options(Runtime(platform="gpu"))
+    assert options == COMPILER_OPTIONS and {"CONDITIONAL", "WHILE"} <= set(
+        options["xla_gpu_enable_command_buffer"].split(",")
+    )
+    assert compiler_options(Runtime(platform="cpu")) == {}  # XLA's CPU options stay its defaults

@@ -1,4 +1,5 @@
-"""The Pallas SSD kernels, interpreted on CPU, against the float64 recurrence; and their lowering for CUDA.
+"""The Pallas kernels, interpreted on CPU, against float64 references (the SSD's recurrence, the model's Mamba mixer
+step and its attention over a KV cache); and their lowering for CUDA.
 
 Every interpreted run poisons the kernels' outputs with NaN first (`interpret_mode()` does it), so an element a kernel
 never writes fails the comparison. Inputs are fixed draws: each test derives its seed from its name and case (CRC-32),
@@ -21,11 +22,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental import pallas as pl
 
 import pallas_kernels
+from granite_jax import model
+from granite_jax.config import ModelConfig
 from granite_jax.ssd import ssd_reference, ssd_step
-from pallas_kernels import DecodeConfig, PrefillConfig, _call, ssd_decode, ssd_prefill
+from pallas_kernels import (
+    AttentionConfig,
+    DecodeConfig,
+    PrefillConfig,
+    _call,
+    decode_attention,
+    mamba_step,
+    ssd_decode,
+    ssd_prefill,
+)
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
 H_TINY = dict(h=48, p=64, g=1, n=128, chunk=256)  # Granite-4.0-H-Tiny's Mamba layer
@@ -297,6 +310,140 @@ def test_decode_applies_dt_bias_softplus_and_limit_in_kernel():
     assert _rel_err(y, y_ref) < 1e-5 and _rel_err(new_state, s_ref) < 1e-5, f"seed {seed}"
 
 
+# ---------------------------------------------------------------------------------------------- the fused Mamba step
+
+STEP_CASES = {
+    # name: (b, h, p, g, n, dtype, block_p, slot, conv bias, dt limit): p of two blocks, a ring that wraps, a masked row
+    "groups_two_blocks_f32": (2, 4, 32, 2, 16, jnp.float32, 16, 6, True, (0.0, math.inf)),
+    "bf16_limit_no_bias": (3, 4, 16, 1, 32, jnp.bfloat16, 16, 1, False, (0.05, 2.0)),
+    "h_tiny_head_f32": (1, 2, 64, 1, 128, jnp.float32, 16, 0, True, (0.0, math.inf)),
+}
+
+
+def _step_mixer(b, h, p, g, n, dtype, bias, limit, seed):
+    """A Mamba mixer of these dims with random weights, its one-token inputs, as float32 numpy draws."""
+    cfg = ModelConfig(vocab_size=8, hidden_size=8, layer_types=("mamba",), num_attention_heads=1, num_key_value_heads=1,
+                      head_dim=8, intermediate_size=8, shared_intermediate_size=8, num_local_experts=0,
+                      num_experts_per_tok=0, mamba_n_heads=h, mamba_d_head=p, mamba_d_state=n, mamba_n_groups=g,
+                      mamba_expand=h * p // 8, mamba_conv_bias=bias, time_step_limit=limit)  # fmt: skip
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)  # noqa: E731
+    conv_dim, K = h * p + 2 * g * n, cfg.mamba_d_conv
+    weights = dict(conv_weight=normal(K, conv_dim) * 0.5, dt_bias=normal(h), A_log=rng.uniform(-2, 1.5, h).astype(
+        np.float32), D=normal(h), weight=1 + 0.1 * normal(h * p))  # fmt: skip
+    if bias:
+        weights["conv_bias"] = normal(conv_dim)
+    inputs = dict(zxbcdt=normal(b, 1, h * p + conv_dim + h), ring=normal(b, K, conv_dim), ssm=normal(b, h, p, n))
+    inputs["mask"] = np.arange(b)[:, None] != 1  # row 1 (where there is one) is padding
+    cast = lambda t: t if t.dtype == np.bool_ else np.asarray(jnp.asarray(t, dtype), np.float32)  # noqa: E731
+    return cfg, {k: cast(v) for k, v in weights.items()}, {k: cast(v) if k != "ssm" else v for k, v in inputs.items()}
+
+
+def _mixer_step64(cfg, weights, inputs, slot, monkeypatch):
+    """The model's mixer (`MambaMixer.mix`, plain JAX) in float64: (the gated values it normalizes, normed y, ring,
+    state)."""
+    gated = []
+    norm = model.group_rms_norm
+    monkeypatch.setattr(model, "group_rms_norm", lambda x, *a: (gated.append(x), norm(x, *a))[1])
+    with jax.enable_x64(True):
+        mixer = model.MambaMixer(cfg, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+        for name, value in weights.items():
+            target = mixer.norm.weight if name == "weight" else getattr(mixer, name)
+            target[...] = jnp.asarray(value, jnp.float64)
+        f64 = {k: jnp.asarray(v, jnp.bool_ if v.dtype == np.bool_ else jnp.float64) for k, v in inputs.items()}
+        state = model.MambaState(f64["ring"], f64["ssm"])
+        y, state = model.MambaMixer.mix.__wrapped__(mixer, f64["zxbcdt"], f64["mask"], state, slot)
+        return np.asarray(gated[0][:, 0]), np.asarray(y[:, 0]), np.asarray(state.conv), np.asarray(state.ssm)
+
+
+@pytest.mark.parametrize("name", STEP_CASES)
+def test_mamba_step_is_the_mixers_float64_step(name, monkeypatch):
+    b, h, p, g, n, dtype, block_p, slot, bias, limit = STEP_CASES[name]
+    seed = _seed(f"mamba_step/{name}")
+    cfg, weights, inputs = _step_mixer(b, h, p, g, n, dtype, bias, limit, seed)
+    want_gated, want_y, want_ring, want_ssm = _mixer_step64(cfg, weights, inputs, slot, monkeypatch)
+    w = {k: jnp.asarray(v, dtype) for k, v in weights.items()}
+
+    def step(zxbcdt, ring, ssm, mask):
+        gated, ring, ssm = mamba_step(zxbcdt, ring, slot, w["conv_weight"], w.get("conv_bias"), w["dt_bias"],
+                                      w["A_log"], w["D"], ssm, groups=g, dt_limit=limit, token_mask=mask,
+                                      config=DecodeConfig(block_p=block_p))  # fmt: skip
+        return gated, model.group_rms_norm(gated, w["weight"], g, cfg.rms_norm_eps, dtype), ring, ssm
+
+    with pallas_kernels.interpret_mode():
+        got = jax.jit(step)(jnp.asarray(inputs["zxbcdt"][:, 0], dtype), jnp.asarray(inputs["ring"], dtype),
+                            jnp.asarray(inputs["ssm"]), jnp.asarray(inputs["mask"][:, 0]))  # fmt: skip
+    # float32: elementwise work and sums over n; 16-bit: the conv's output rounded to it, as the model rounds the
+    # SSD's inputs (the float64 model does not), and y normed into it.
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    for what, g_, w_ in zip(("gated", "y", "ring", "state"), got, (want_gated, want_y, want_ring, want_ssm)):
+        assert _rel_err(g_, w_) < tol, f"{what}, seed {seed}"
+    assert np.array_equal(np.asarray(got[2], np.float32), np.asarray(jnp.asarray(want_ring, dtype), np.float32))
+    if b > 1:  # the padding row's x, B and C are zero: its state only decays, and its output is zero
+        assert np.all(np.asarray(got[0])[1] == 0)
+
+
+def test_mamba_step_rejects_bad_arguments():
+    b, h, p, g, n, K = 1, 2, 16, 1, 16, 4
+    conv_dim = h * p + 2 * g * n
+    zxbcdt, ring = jnp.zeros((b, h * p + conv_dim + h)), jnp.zeros((b, K, conv_dim))
+    vectors, state = [jnp.zeros(h)] * 3, jnp.zeros((b, h, p, n))
+    args = (zxbcdt, ring, 0, jnp.zeros((K, conv_dim)), None, *vectors)
+    with pytest.raises(ValueError, match="groups=3 must divide the head count 2"):
+        mamba_step(*args, state, groups=3)
+    with pytest.raises(ValueError, match=r"zxbcdt must be \(b, d_inner \+ conv_dim \+ h\)"):
+        mamba_step(zxbcdt[:, 1:], *args[1:], state, groups=g)
+    with pytest.raises(ValueError, match="head_dim 12 and state_dim 16 must be powers of two"):
+        p = 12
+        conv_dim = h * p + 2 * g * n
+        mamba_step(jnp.zeros((b, h * p + conv_dim + h)), jnp.zeros((b, K, conv_dim)), 0, jnp.zeros((K, conv_dim)),
+                   None, *vectors, jnp.zeros((b, h, p, n)), groups=g)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- decode attention
+
+ATTENTION_CASES = {
+    # name: (b, kv, rep, hd, S, dtype, pad, slot, block_k, splits): padded rows, a last block past the cache, splits
+    # past the filled blocks (empty ones), a row with no key to attend (pad past the slot), h-tiny's groups
+    "padded_rows_f32": (3, 2, 3, 16, 40, jnp.float32, (0, 5, 30), 33, 16, 2),
+    "empty_splits_bf16": (2, 1, 2, 32, 128, jnp.bfloat16, (0, 2), 3, 16, 8),
+    "no_key_row_f32": (2, 2, 1, 16, 64, jnp.float32, (0, 60), 40, 16, None),
+    "h_tiny_group_f32": (1, 1, 3, 128, 256, jnp.float32, (0,), 200, 64, None),
+}
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_decode_attention_is_the_models_float64_attention(name):
+    b, kv, rep, hd, S, dtype, pad, slot, block_k, splits = ATTENTION_CASES[name]
+    seed = _seed(f"decode_attention/{name}")
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for shape in
+               ((b, kv, rep, hd), (b, kv, S, hd), (b, kv, S, hd)))  # fmt: skip
+    pad, scale = jnp.asarray(pad, jnp.int32), hd**-0.5
+    config = AttentionConfig(block_k=block_k, splits=splits)
+    with pallas_kernels.interpret_mode():
+        got = jax.jit(lambda *a: decode_attention(*a, scale, config=config))(q, k, v, pad, slot)
+    with jax.enable_x64(True):
+        pos = model.Positions(jnp.asarray([slot]), pad)
+        cache = model.KVState(*map(_f64, (k, v)))
+        want = model.attend_cache.__wrapped__(_f64(q)[:, None], cache, pos, scale)[:, 0]
+    assert got.shape == q.shape and got.dtype == dtype
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), "a row with no key to attend must stay finite"
+    rows = np.asarray(pad) <= slot  # a row with no key averages the values it visits, as the model's: which differ
+    # float32: sums of a few hundred products; 16-bit: the output rounded to it (scores and softmax are float32)
+    assert _rel_err(got[rows], want[rows]) < (1e-5 if dtype == jnp.float32 else 1e-2), f"seed {seed}"
+
+
+def test_decode_attention_rejects_bad_arguments():
+    q, kv = jnp.zeros((1, 2, 3, 16)), jnp.zeros((1, 2, 32, 16))
+    with pytest.raises(ValueError, match="must be \\(b, kv, rep, hd\\)"):
+        decode_attention(q, kv[:, :1], kv, jnp.zeros(1, jnp.int32), 0, 1.0)
+    with pytest.raises(ValueError, match="head_dim 12 must be a power of two"):
+        decode_attention(q[..., :12], kv[..., :12], kv[..., :12], jnp.zeros(1, jnp.int32), 0, 1.0)
+    with pytest.raises(ValueError, match="AttentionConfig.block_k=8"):
+        AttentionConfig(block_k=8)
+
+
 # ---------------------------------------------------------------------------------------------- platform
 
 
@@ -356,6 +503,29 @@ LOWERING_DIMS = {
 }
 
 
+def _step_structs(b, h, p, g, n, dtype, K=4):
+    S = jax.ShapeDtypeStruct
+    conv_dim = h * p + 2 * g * n
+    vector = S((h,), dtype)
+    return (S((b, h * p + conv_dim + h), dtype), S((b, K, conv_dim), dtype), S((), jnp.int32),
+            S((K, conv_dim), dtype), S((conv_dim,), dtype), vector, vector, vector, S((b, h, p, n), jnp.float32),
+            S((b,), jnp.bool_))  # fmt: skip
+
+
+def _step_fn(groups):
+    return lambda *a: mamba_step(*a[:9], groups=groups, token_mask=a[9])
+
+
+def _attention_structs(b, kv, rep, hd, S, dtype):
+    S_ = jax.ShapeDtypeStruct
+    cache = S_((b, kv, S, hd), dtype)
+    return S_((b, kv, rep, hd), dtype), cache, cache, S_((b,), jnp.int32), S_((), jnp.int32)
+
+
+def _attention_fn(q, k, v, pad, slot):
+    return decode_attention(q, k, v, pad, slot, 0.0078125)
+
+
 def _prefill_fn(chunk):
     return lambda *a: ssd_prefill(*a[:6], chunk_size=chunk, initial_state=a[6], dt_bias=a[2], dt_softplus=True)
 
@@ -375,9 +545,16 @@ def test_kernels_lower_for_cuda(dims, dtype):
         prefill = prefill.lower(lowering_platforms=("cuda",)).as_text()
         decode = jax.jit(ssd_decode, donate_argnums=0).trace(*_decode_structs(b, h, p, g, n, dtype))
         decode = decode.lower(lowering_platforms=("cuda",)).as_text()
+        attention = jax.jit(_attention_fn).trace(*_attention_structs(b, 4, 3, 128, 1024, dtype))
+        attention = attention.lower(lowering_platforms=("cuda",)).as_text()
+        step = jax.jit(_step_fn(g), donate_argnums=(1, 8)).trace(*_step_structs(b, h, p, g, n, dtype))
+        step = step.lower(lowering_platforms=("cuda",)).as_text()
     assert _triton_calls(prefill) == 3, "prefill: the local-state, pass and output kernels, all Triton custom calls"
-    assert _triton_calls(decode) == 1
+    assert _triton_calls(decode) == 1 and _triton_calls(step) == 1
+    assert _triton_calls(attention) == 2, "decode attention: the split and combine kernels"
     assert "output_operand_aliases" in decode, "decode must update the state in place"
+    in_place = ("output_tuple_indices = [1], operand_index = 2", "output_tuple_indices = [2], operand_index = 10")
+    assert all(alias in step for alias in in_place), "the Mamba step must update the ring and the state in place"
 
 
 # ---------------------------------------------------------------------------------------------- deviceless compile
@@ -394,3 +571,5 @@ def test_kernels_compile_for_h200_at_h_tiny_dims(dtype, h200_target):
     with pallas_kernels.cuda_lowering():
         aot.compile_for_gpu(_prefill_fn(chunk), *_prefill_structs(**d, dtype=dtype))
         aot.compile_for_gpu(ssd_decode, *_decode_structs(8, d["h"], d["p"], d["g"], d["n"], dtype))
+        aot.compile_for_gpu(_step_fn(d["g"]), *_step_structs(8, d["h"], d["p"], d["g"], d["n"], dtype))
+        aot.compile_for_gpu(_attention_fn, *_attention_structs(8, 4, 3, 128, 8192, dtype))

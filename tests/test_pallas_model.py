@@ -1,7 +1,8 @@
 """The model under Runtime(ssd="pallas") (kernels interpreted on CPU) equals the "xla" SSD on a tiny config.
 
 Covers the prefill kernels (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
-prefilling a second segment from the cache) and the decode kernel (single-token steps through the cache). Also: the
+prefilling a second segment from the cache) and the decode kernels (single-token steps through the cache: the fused
+Mamba step and decode attention). Also: the
 Generator's prefill and decode steps lower for CUDA with no CPU kernel left in them.
 """
 
@@ -28,7 +29,7 @@ TINY = ModelConfig(
     layer_types=("mamba", "attention", "mamba"),
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=8,
+    head_dim=16,
     intermediate_size=32,
     shared_intermediate_size=32,
     num_local_experts=0,
@@ -38,6 +39,9 @@ TINY = ModelConfig(
     mamba_d_state=16,
     mamba_n_groups=2,
     mamba_chunk_size=16,
+    # Weights of transformers' scale (0.02) make the SSD's state terms ~1e-6 of its D x skip: below float32 logits'
+    # resolution, so the kernels would go unchecked. At this scale they carry the output.
+    initializer_range=0.3,
 )
 
 
@@ -98,8 +102,8 @@ def _generation_steps(cfg, ssd: str, dtype, weight_dtype, prompt_len: int, cache
 def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
     # The Generator's own steps, on a hybrid MoE model, traced for CUDA on this CPU-only machine: every CPU kernel
     # (batch 1: the decode products go to the matrix-vector kernel on CPUs) must give way to its XLA version
-    # (`lax.platform_dependent`), and with "pallas" the SSD runs as Triton calls (three per Mamba layer in prefill,
-    # one in decode).
+    # (`lax.platform_dependent`), and with "pallas" the SSD runs as Triton calls (three per Mamba layer in prefill;
+    # in decode one per Mamba layer, the fused mixer step).
     cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2)
     mamba_layers = cfg.layer_types.count("mamba")
     steps = _generation_steps(cfg, ssd_impl, dtype, weight_dtype, prompt_len=40, cache_len=64)
@@ -107,8 +111,12 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
         for name, (fn, args) in steps.items():
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "granite_" not in text, f"{name}: a CPU kernel in the CUDA program"
-            per_layer = 3 if name == "prefill" else 1
-            assert text.count("__gpu$xla.gpu.triton") == (per_layer * mamba_layers if ssd_impl == "pallas" else 0)
+            # prefill: the SSD's three kernels per Mamba layer; decode: the fused step per Mamba layer, attention's
+            # split and combine kernels per attention layer
+            triton = 3 * mamba_layers if name == "prefill" else mamba_layers + 2 * (len(cfg.layer_types) - mamba_layers)
+            assert text.count("__gpu$xla.gpu.triton") == (triton if ssd_impl == "pallas" else 0)
+            if ssd_impl == "pallas" and name == "decode":
+                assert "ssd_decode" not in text and "mamba_step" in text and "decode_attention" in text
 
 
 @pytest.mark.slow(15)

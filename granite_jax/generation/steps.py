@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from granite_jax import ops, sharding
 from granite_jax.config import ModelConfig
+from granite_jax.gpu import COMPILER_OPTIONS
 from granite_jax.model import Cache, Granite, abstract_model
 from granite_jax.ops import Runtime
 from granite_jax.sampling import SamplerParams, SamplingConfig, sample_tokens
@@ -98,7 +99,7 @@ class Steps:
         self.model, self.cfg = model, model.cfg
         graphdef, state = nnx.split(model)
         self.weights, treedef = jax.tree.flatten(state)
-        self.jitted = _jitted_steps(graphdef, treedef)
+        self.jitted = _jitted_steps(graphdef, treedef, tuple(compiler_options(model.runtime).items()))
         self._cache = _jitted_cache_init(model.cfg, model.dtype, model.row_blocks, model.runtime.mesh)
 
     def prefill(self, prepared, cache: Cache, tokens, params: SamplerParams, step):
@@ -132,12 +133,19 @@ class Steps:
         return compiled
 
 
+def compiler_options(runtime: Runtime) -> dict[str, Any]:
+    """XLA's options for the steps of a model run under `runtime`: on a GPU `granite_jax.gpu.COMPILER_OPTIONS` (every
+    kernel inside CUDA graphs), none elsewhere."""
+    return dict(COMPILER_OPTIONS) if (runtime.platform or jax.default_backend()) == "gpu" else {}
+
+
 # Keyed by the model's structure (its graphdef: config, dtypes, runtime, mesh), not by the model: every Generator of
 # the same architecture shares one set of jitted steps, so a second one (another checkpoint, another run in the same
 # process) neither traces nor compiles again. Bounded: each entry holds its executables.
 @functools.lru_cache(maxsize=8)
-def _jitted_steps(graphdef: nnx.GraphDef, treedef) -> dict[str, Any]:
-    donate = dict(donate_argnums=(2,))  # (weights, prepared, cache, ...)
+def _jitted_steps(graphdef: nnx.GraphDef, treedef, options: tuple = ()) -> dict[str, Any]:
+    """options: XLA's compiler options, as (name, value) pairs (on a GPU: `granite_jax.gpu.COMPILER_OPTIONS`)."""
+    donate = dict(donate_argnums=(2,), compiler_options=dict(options) or None)  # (weights, prepared, cache, ...)
     return {
         "prefill": jax.jit(functools.partial(prefill_segment, graphdef, treedef), **donate),
         "decode": jax.jit(functools.partial(decode_step, graphdef, treedef), **donate),
