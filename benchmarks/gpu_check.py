@@ -52,8 +52,8 @@ CATEGORIES = (
     ("copies", r"^(memcpy|memset|copy)"),
     ("SSD", r"ssd|mamba|chunk_state|state_pass|chunk_scan|selective"),
     ("attention", r"attention|flash|fmha|cudnn|softmax"),
-    ("MoE routing", r"top_?k|sort|scatter|bincount|cumsum"),
-    ("GEMM", r"gemm|cublas|cutlass|nvjet|xmma|matmul|dot|ragged"),
+    ("MoE routing", r"top_?k|route|sort|scatter|bincount|cumsum"),
+    ("GEMM", r"gemm|cublas|cutlass|nvjet|xmma|matmul|dot|ragged|experts_"),
 )
 
 

@@ -14,7 +14,7 @@ reaches the peak. The step's floor is what it must do whatever the program: read
 token's routed experts: the expected number of distinct experts), read or write the KV caches and the Mamba states,
 and the model's FLOPs, at the same rates.
 
-One layer of each kind is measured apart, as the difference between models of one and two of the shape's layers
+One layer of each kind is measured apart, as the difference between models of two and three of the shape's layers
 (what is left, the embedding, head and sampler, is "rest"), so that each line says where a step's launches come
 from. Conditionals count the branch moving the fewest bytes (greedy sampling); loops their known trip count.
 

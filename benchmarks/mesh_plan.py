@@ -14,7 +14,7 @@ devices: 2 (N-1)/N S) at 900 GB/s. Predicted step: kernels + collectives, not ov
 all-reduce waits for the product before it and holds up the one after). Over a mesh the platform kernels and the
 Pallas SSD are off, as the Generator runs it, so the 1-device column is that program too.
 
-Layers are measured as in gpu_report.py: models of one and two layers, their difference one layer of each kind,
+Layers are measured as in gpu_report.py: models of two and three layers, their difference one layer of each kind,
 scaled to the shape's layer counts. With one GPU, only the 1-device column can be held to a measurement.
 """
 
@@ -80,7 +80,7 @@ def step_totals(cfg, devices: int, step: str, cache_len: int) -> dict[str, float
 
 
 def whole_model(cfg, devices: int, step: str, cache_len: int) -> dict[str, Any]:
-    """The step's per-device totals for all of `cfg`'s layers, from models of one and two layers
+    """The step's per-device totals for all of `cfg`'s layers, from models of two and three layers
     (`executable.layer_split`), and the split itself."""
     from pallas_kernels.executable import layer_split
 

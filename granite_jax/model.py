@@ -199,13 +199,32 @@ def rms_normalize(x: Array, eps: float) -> Array:
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
+@ops.replaceable
+def rms_norm(x: Array, weight: Array, eps: float, groups: int = 1, dtype=None) -> Array:
+    """weight * x / rms(x), one RMS statistic per group of x's last axis split into `groups`, in `dtype` (x's)."""
+    dtype = dtype or x.dtype
+    normed = rms_normalize(x.reshape(*x.shape[:-1], groups, -1), eps).reshape(x.shape)
+    return (weight * normed.astype(dtype)).astype(dtype)
+
+
+@ops.replaceable
+def residual_rms_norm(x: Array, update: Array, multiplier: float, weight: Array, eps: float) -> tuple[Array, Array]:
+    """The residual stream after its update, x + update * multiplier, and that stream's `rms_norm`."""
+    x = x + update * multiplier
+    return x, rms_norm(x, weight, eps)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
 
     def __call__(self, x: Array) -> Array:
-        return (self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)).astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+    def after_residual(self, x: Array, update: Array, multiplier: float) -> tuple[Array, Array]:
+        """(x + update * multiplier, its norm): the residual add and the norm that follows it (`residual_rms_norm`)."""
+        return residual_rms_norm(x, update, multiplier, self.weight[...], self.eps)
 
 
 class GatedRMSNorm(nnx.Module):
@@ -217,13 +236,7 @@ class GatedRMSNorm(nnx.Module):
 
 def gated_rms_norm(y: Array, z: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
     """weight * norm(y * silu(z)), one RMS statistic per group of d_inner / groups channels (gate before the norm)."""
-    return group_rms_norm(widened(y) * jax.nn.silu(widened(z)), weight, groups, eps, dtype)
-
-
-def group_rms_norm(x: Array, weight: Array, groups: int, eps: float, dtype) -> Array:
-    """weight * norm(x), one RMS statistic per group of x's last axis split into `groups`; in `dtype`."""
-    normed = rms_normalize(x.reshape(*x.shape[:-1], groups, -1), eps).reshape(x.shape)
-    return (weight * normed.astype(dtype)).astype(dtype)
+    return rms_norm(widened(y) * jax.nn.silu(widened(z)), weight, eps, groups, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- Mamba-2 mixer
@@ -400,12 +413,7 @@ class Attention(nnx.Module):
         if state is None:
             out = attend(q, k, v, pos.attention_mask(pos.query_slots), cfg.attention_multiplier)
         else:
-            start = (0, 0, pos.query_slots[0], 0)
-            state = KVState(
-                lax.dynamic_update_slice(state.k, k.astype(state.k.dtype), start),
-                lax.dynamic_update_slice(state.v, v.astype(state.v.dtype), start),
-            )
-            out = attend_cache(q, state, pos, cfg.attention_multiplier)
+            out, state = cache_and_attend(q, k, v, state, pos, cfg.attention_multiplier)
         return self.o_proj(out.reshape(b, T, kv * rep * hd)), state
 
 
@@ -415,6 +423,20 @@ def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
     scores = jnp.where(mask[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkrts,bksd->btkrd", probs, v)
+
+
+@ops.replaceable
+def cache_and_attend(
+    q: Array, k: Array, v: Array, cache: KVState, pos: Positions, scale: float
+) -> tuple[Array, KVState]:
+    """This segment's keys and values (b, kv, T, hd) written into the cache at its slots, then `attend_cache` over it:
+    (the attention output, the cache)."""
+    start = (0, 0, pos.query_slots[0], 0)
+    cache = KVState(
+        lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), start),
+        lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), start),
+    )
+    return attend_cache(q, cache, pos, scale), cache
 
 
 @ops.replaceable
@@ -509,14 +531,18 @@ class MoE(nnx.Module):
     def __call__(self, x: Array) -> Array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        logits = widened(self.router(x))
-        top_logits, experts = top_experts(logits, self.cfg.num_experts_per_tok)  # (N, k)
+        top_logits, experts = route(x.astype(self.router.dtype), self.router.weight[...], self.cfg.num_experts_per_tok)
         gates = jax.nn.softmax(top_logits, axis=-1).astype(self.dtype)
-        N, k = experts.shape
-        rows, chosen = jnp.repeat(x.astype(self.dtype), k, axis=0), experts.reshape(-1)  # one per (token, expert)
         scales = [None if s is None else s[...] for s in (self.input_linear_scale, self.output_linear_scale)]
-        y = experts_swiglu(rows, chosen, self.input_linear[...], self.output_linear[...], *scales, blocks=self.blocks)
-        return jnp.einsum("nkd,nk->nd", y.reshape(N, k, -1), gates).reshape(shape)
+        w_in, w_out = self.input_linear[...], self.output_linear[...]
+        y = experts_swiglu(x.astype(self.dtype), experts, w_in, w_out, *scales, blocks=self.blocks)  # (N, k, H)
+        return jnp.einsum("nkd,nk->nd", y, gates).reshape(shape)
+
+
+@ops.replaceable
+def route(x: Array, w: Array, k: int) -> tuple[Array, Array]:
+    """The router's logits of rows x (N, H), x @ w (E, H)^T widened, through `top_experts`: (N, k) each."""
+    return top_experts(widened(linear(x, w)), k)
 
 
 @ops.replaceable
@@ -527,7 +553,7 @@ def top_experts(logits: Array, k: int) -> tuple[Array, Array]:
 
 @ops.replaceable
 def experts_swiglu(
-    rows: Array,
+    x: Array,
     experts: Array,
     w_in: Array,
     w_out: Array,
@@ -536,10 +562,12 @@ def experts_swiglu(
     *,
     blocks: int = 1,
 ) -> Array:
-    """Each row (R, H) through its expert's SwiGLU: w_in (E, H, 2F) [gate | up] in `blocks` blocks (`swiglu`), w_out
-    (E, F, H), float8 weights' scales (E, out) or None; experts (R,)."""
-    h = swiglu(_scaled(expert_linear(rows, w_in, experts), in_scale, experts), blocks)
-    return _scaled(expert_linear(h, w_out, experts), out_scale, experts)
+    """Each token x (N, H) through the SwiGLU of each of its experts (N, k) -> (N, k, H): w_in (E, H, 2F) [gate | up]
+    in `blocks` blocks (`swiglu`), w_out (E, F, H), float8 weights' scales (E, out) or None."""
+    (N, k), chosen = experts.shape, experts.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # one per (token, expert)
+    h = swiglu(_scaled(expert_linear(rows, w_in, chosen), in_scale, chosen), blocks)
+    return _scaled(expert_linear(h, w_out, chosen), out_scale, chosen).reshape(N, k, -1)
 
 
 def _experts(
@@ -589,8 +617,7 @@ class DecoderLayer(nnx.Module):
             h, state = self.mamba(h, pos.token_mask, state, pos.query_slots[0])
         else:
             h, state = self.self_attn(h, pos, state)
-        x = x + h * self.residual_multiplier
-        h = self.post_attention_layernorm(x)
+        x, h = self.post_attention_layernorm.after_residual(x, h, self.residual_multiplier)
         ffn = self.shared_mlp(h)
         if self.block_sparse_moe is not None:
             ffn = self.block_sparse_moe(h) + ffn

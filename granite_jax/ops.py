@@ -1,11 +1,11 @@
 """The one seam between the model and platform kernels.
 
 The model is plain JAX. A few of its functions are marked `@replaceable`: the product with a weight matrix, the
-experts' products, the embedding lookup, the Mamba mixer between its projections, attention over a KV cache, greedy
-sampling, and the SSD and its one-token step. Their bodies are the definition and run everywhere. A backend
-registers faster implementations of some of them (`register`); which run is decided when a function is traced, by
-the `Runtime` in effect (`using`; `Granite.forward` enters its model's). An implementation is called with the plain-JAX
-function first, and falls back to it for the shapes, dtypes and platforms it does not take.
+norms, the router, the experts' products, the embedding lookup, the Mamba mixer between its projections, attention
+over a KV cache, greedy sampling, and the SSD and its one-token step. Their bodies are the definition and run
+everywhere. A backend registers faster implementations of some of them (`register`); which run is decided when a
+function is traced, by the `Runtime` in effect (`using`; `Granite.forward` enters its model's). An implementation is
+called with the plain-JAX function first, and falls back to it for the shapes, dtypes and platforms it does not take.
 
 Backends are modules imported on first use (`BACKENDS`): one that is absent or cannot run here costs speed, nothing
 else. A backend may keep arrays derived from the weights (the CPU kernels' packed panels): `prepare` asks for them,

@@ -1,9 +1,11 @@
 """The "pallas" backend: `pallas_kernels`' Triton kernels as the model's SSD, its one-token step, the Mamba mixer's
-whole decode step and decode attention over the KV cache (`Runtime(ssd="pallas")`, NVIDIA GPUs; elsewhere they raise
-`pallas_kernels.PallasUnavailableError` when traced, except inside the package's test modes). Forward only:
-differentiate with the "xla" SSD."""
+whole decode step, decode attention over the KV cache, and decoding's RMSNorms, router and experts
+(`Runtime(ssd="pallas")`, NVIDIA GPUs; elsewhere they raise `pallas_kernels.PallasUnavailableError` when traced, except
+inside the package's test modes). Forward only: differentiate with the "xla" SSD."""
 
 from __future__ import annotations
+
+import jax.numpy as jnp
 
 import pallas_kernels
 from granite_jax import model, ops
@@ -32,19 +34,75 @@ def _mix(reference, mixer, zxbcdt, token_mask, state, slot):
         zxbcdt[:, 0], state.conv, slot, mixer.conv_weight[...], bias, *vectors, state.ssm,
         groups=cfg.mamba_n_groups, dt_limit=cfg.time_step_limit, token_mask=mask,
     )  # fmt: skip
-    y = model.group_rms_norm(gated[:, None], mixer.norm.weight[...], cfg.mamba_n_groups, cfg.rms_norm_eps, mixer.dtype)
+    y = model.rms_norm(gated[:, None], mixer.norm.weight[...], cfg.rms_norm_eps, cfg.mamba_n_groups, mixer.dtype)
     return y, model.MambaState(ring, ssm)
 
 
-def _attend(reference, q, cache, pos, scale: float, block: int | None = None):
-    """One query per row: flash-decoding over the filled slots (`pallas_kernels.decode_attention`), two launches where
-    the plain body loops over blocks of keys."""
+def _rms_norm(reference, x, weight, eps: float, groups: int = 1, dtype=None):
+    """Rows of one token (decoding): the statistic and its use in one launch (`pallas_kernels.rms_norm`) where XLA
+    runs two."""
+    if x.ndim < 2 or x.shape[-2] != 1 or not pallas_kernels.takes_rms_norm(x.shape[-1], groups):
+        return reference(x, weight, eps, groups, dtype)
+    y = pallas_kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, groups=groups, dtype=dtype or x.dtype)
+    return y.reshape(x.shape)
+
+
+def _residual_rms_norm(reference, x, update, multiplier: float, weight, eps: float):
+    """Rows of one token: the residual add and the norm after it in one launch (`pallas_kernels.residual_rms_norm`)."""
+    if x.ndim < 2 or x.shape[-2] != 1 or update.shape != x.shape or not pallas_kernels.takes_rms_norm(x.shape[-1]):
+        return reference(x, update, multiplier, weight, eps)
+    flat = (-1, x.shape[-1])
+    stream, y = pallas_kernels.residual_rms_norm(x.reshape(flat), update.reshape(flat), multiplier, weight, eps)
+    return stream.reshape(x.shape), y.reshape(x.shape)
+
+
+def _top_experts(reference, logits, k: int):
+    """The router's top-k in one launch (`pallas_kernels.top_k`) where XLA's is two."""
+    if logits.ndim != 2 or logits.dtype != jnp.float32 or not pallas_kernels.takes_top_k(logits.shape[1]):
+        return reference(logits, k)
+    return pallas_kernels.top_k(logits, k)
+
+
+def _route(reference, x, w, k: int):
+    """Decoding's few rows (up to `model.GATHER_ROWS`, each program reads the whole router): the router's product and
+    its top-k in one launch (`pallas_kernels.route`) where XLA's are three. More rows: the product on tensor cores."""
+    if x.ndim != 2 or x.shape[0] > model.GATHER_ROWS or not pallas_kernels.takes_route(x.shape[1], w.shape[0]):
+        return reference(x, w, k)
+    return pallas_kernels.route(x, w, k)
+
+
+def _experts_swiglu(reference, x, experts, w_in, w_out, in_scale, out_scale, *, blocks: int = 1):
+    """Decoding's few rows: each token's experts read in place, the SwiGLU fused into the first product
+    (`pallas_kernels.experts_up`, `experts_down`): two launches where the plain body is three and a copy of the
+    tokens per expert."""
+    H, F = x.shape[1], w_out.shape[1]
+    plain = blocks != 1 or in_scale is not None or out_scale is not None  # meshes' blocks, float8 scales
+    widening = x.dtype == w_in.dtype == w_out.dtype or x.dtype == jnp.float32  # as the plain body casts
+    if plain or not widening or experts.size > model.GATHER_ROWS or not pallas_kernels.takes_experts(H, F):
+        return reference(x, experts, w_in, w_out, in_scale, out_scale, blocks=blocks)
+    h = pallas_kernels.experts_up(x, w_in, experts)
+    return pallas_kernels.experts_down(h, w_out, experts.reshape(-1)).reshape(*experts.shape, -1)
+
+
+def _cache_and_attend(reference, q, k, v, cache, pos, scale: float):
+    """One query per row: flash-decoding over the filled slots (`pallas_kernels.decode_attention`), the token's key
+    and value written into the cache by the same kernel: two launches where the plain body is two cache updates and
+    a loop over blocks of keys."""
     if q.shape[1] != 1 or not pallas_kernels.takes_decode_attention(q.shape[-1], cache.k.shape[2]):
-        return reference(q, cache, pos, scale, block)
-    return pallas_kernels.decode_attention(q[:, 0], cache.k, cache.v, pos.pad, pos.query_slots[0], scale)[:, None]
+        return reference(q, k, v, cache, pos, scale)
+    new_kv = (k[:, :, 0].astype(cache.k.dtype), v[:, :, 0].astype(cache.v.dtype))
+    out, k_cache, v_cache = pallas_kernels.decode_attention(
+        q[:, 0], cache.k, cache.v, pos.pad, pos.query_slots, scale, new_kv=new_kv
+    )
+    return out[:, None], model.KVState(k_cache, v_cache)
 
 
 ops.register("pallas", ssd, _prefill)
 ops.register("pallas", ssd_step, _decode)
 ops.register("pallas", model.MambaMixer.mix, _mix, covers=(ssd_step,))
-ops.register("pallas", model.attend_cache, _attend)
+ops.register("pallas", model.cache_and_attend, _cache_and_attend, covers=(model.attend_cache,))
+ops.register("pallas", model.rms_norm, _rms_norm)
+ops.register("pallas", model.residual_rms_norm, _residual_rms_norm, covers=(model.rms_norm,))
+ops.register("pallas", model.top_experts, _top_experts)
+ops.register("pallas", model.route, _route, covers=(model.linear, model.top_experts))
+ops.register("pallas", model.experts_swiglu, _experts_swiglu, covers=(model.expert_linear,))

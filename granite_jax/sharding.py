@@ -313,35 +313,35 @@ def _flat_params(tree: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- the mesh backend
 
 
-def experts_over_mesh(reference, rows, experts, w_in, w_out, in_scale, out_scale, *, blocks: int = 1):
-    """`model.experts_swiglu` on the devices holding the weights (`jax.shard_map`): each multiplies every row by its
-    slice of the row's expert (the "model" axis), where it holds that expert (the "expert" axis; the others give
-    zeros), and one all-reduce of the (R, H) outputs sums the slices and the experts. Left to the partitioner,
+def experts_over_mesh(reference, x, experts, w_in, w_out, in_scale, out_scale, *, blocks: int = 1):
+    """`model.experts_swiglu` on the devices holding the weights (`jax.shard_map`): each multiplies every token by its
+    slice of each of the token's experts (the "model" axis), where it holds that expert (the "expert" axis; the others
+    give zeros), and one all-reduce of the (N, k, H) outputs sums the slices and the experts. Left to the partitioner,
     gathering the chosen experts' matrices from their shards all-reduces the gathered weights themselves."""
     mesh = _current_mesh()
     spread, width = _mesh_axis("expert", mesh), _mesh_axis("model", mesh)  # experts, and each expert's columns
     if spread is None and width is None:
-        return reference(rows, experts, w_in, w_out, in_scale, out_scale, blocks=blocks)
+        return reference(x, experts, w_in, w_out, in_scale, out_scale, blocks=blocks)
     data = _mesh_axis("data", mesh)
     scale_spec = lambda s, spec: None if s is None else spec  # noqa: E731
 
-    def local(rows, experts, w_in, w_out, in_scale, out_scale):
+    def local(x, experts, w_in, w_out, in_scale, out_scale):
         first = 0 if spread is None else lax.axis_index(spread) * w_in.shape[0]
         mine = (experts >= first) & (experts < first + w_in.shape[0])
         ids = jnp.where(mine, experts - first, 0)
-        y = reference(rows, ids, w_in, w_out, in_scale, out_scale, blocks=1 if width else blocks)
-        return lax.psum(jnp.where(mine[:, None], y, 0).astype(y.dtype), tuple(filter(None, (spread, width))))
+        y = reference(x, ids, w_in, w_out, in_scale, out_scale, blocks=1 if width else blocks)
+        return lax.psum(jnp.where(mine[..., None], y, 0).astype(y.dtype), tuple(filter(None, (spread, width))))
 
     in_specs = (
         P(data, None),
-        P(data),
+        P(data, None),
         P(spread, None, width),
         P(spread, width, None),
         scale_spec(in_scale, P(spread, width)),
         scale_spec(out_scale, P(spread, None)),
     )
-    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(data, None), check_vma=False)
-    return run(rows, experts, w_in, w_out, in_scale, out_scale)
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(data, None, None), check_vma=False)
+    return run(x, experts, w_in, w_out, in_scale, out_scale)
 
 
 def top_experts_over_mesh(reference, logits, k: int):

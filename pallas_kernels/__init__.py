@@ -1,5 +1,6 @@
 """Pallas GPU kernels (Triton lowering) for Granite's hybrid layers: the Mamba-2 SSD's chunked prefill and one-token
-update, a Mamba mixer's whole decode step, and decode attention over the KV cache.
+update, a Mamba mixer's whole decode step, decode attention over the KV cache, RMSNorm, the router and the routed
+experts.
 
 Public API (the contracts of `granite_jax.ssd.ssd_chunked` and `granite_jax.ssd.ssd_step` for Mamba's inputs, A <= 0
 and processed dt >= 0; other values are not checked and give wrong results, as every exponent is clamped to <= 0):
@@ -12,9 +13,18 @@ and processed dt >= 0; other values are not checked and give wrong results, as e
   token_mask=None, config=None) -> (gated (b, d_inner) float32, new ring, new state)`: a Mamba-2 mixer's whole decode
   step between its projections but the norm (the contract of `granite_jax.model.MambaMixer.mix`), the conv ring and
   the state updated in place; `takes_mamba_step(head_dim, state_dim)` says which dims it runs.
-- `decode_attention(q, k, v, pad, slot, scale, *, config=None) -> (b, kv, rep, hd)`: one query per row over a KV
-  cache (the contract of `granite_jax.model.attend_cache` for one query), split over the keys (flash-decoding);
+- `decode_attention(q, k, v, pad, slot, scale, *, new_kv=None, config=None) -> (out (b, kv, rep, hd), k, v)`: one
+  query per row over a KV cache, split over the keys (flash-decoding), the token's key and value (`new_kv`) written
+  into the cache in place first (the contract of `granite_jax.model.cache_and_attend` for one query);
   `takes_decode_attention(head_dim, cache_len)` says which dims it runs.
+- `rms_norm(x, weight, eps, *, groups=1, dtype=None) -> (R, D)`: RMSNorm of rows in one launch (the contract of
+  `granite_jax.model.rms_norm`); `takes_rms_norm(dim, groups)` says which dims it runs. `residual_rms_norm(x, update,
+  multiplier, weight, eps) -> (x + update * multiplier, its norm)`: with the residual add before it.
+- `top_k(logits, k) -> (values (N, k) float32, indices (N, k) int32)`: the MoE router's top-k in one launch (the
+  contract of `granite_jax.model.top_experts`, `lax.top_k`); `takes_top_k(experts)` says which it runs.
+  `route(x, w, k)`: with the router's product x @ w^T before it (`granite_jax.model.route`; `takes_route`).
+- `experts_up(x, w_in, experts) -> (R, F)`, `experts_down(h, w_out, experts) -> (R, H)`: decoding's routed experts,
+  each row's expert read in place, the SwiGLU in the first (`granite_jax.model.experts_swiglu`; `takes_experts`).
 - `PrefillConfig`, `DecodeConfig` (the one-token update and the Mamba step), `AttentionConfig`: tiling and launch
   parameters.
 
@@ -39,8 +49,11 @@ overflows), and `pallas_kernels.executable` reads what such a program launches: 
 from pallas_kernels._call import PallasUnavailableError, check_available, cuda_lowering, interpret_mode
 from pallas_kernels.attention import AttentionConfig, decode_attention, takes_decode_attention
 from pallas_kernels.decode import DecodeConfig, ssd_decode
+from pallas_kernels.experts import experts_down, experts_up, takes_experts
 from pallas_kernels.mamba_step import mamba_step, takes_mamba_step
+from pallas_kernels.norm import residual_rms_norm, rms_norm, takes_rms_norm
 from pallas_kernels.prefill import PrefillConfig, kernel_chunk, ssd_prefill
+from pallas_kernels.routing import route, takes_route, takes_top_k, top_k
 
 __all__ = [
     "AttentionConfig",
@@ -50,11 +63,21 @@ __all__ = [
     "check_available",
     "cuda_lowering",
     "decode_attention",
+    "experts_down",
+    "experts_up",
     "interpret_mode",
     "kernel_chunk",
     "mamba_step",
+    "residual_rms_norm",
+    "rms_norm",
+    "route",
     "ssd_decode",
     "ssd_prefill",
     "takes_decode_attention",
+    "takes_experts",
     "takes_mamba_step",
+    "takes_rms_norm",
+    "takes_route",
+    "takes_top_k",
+    "top_k",
 ]

@@ -4,7 +4,8 @@ The kernels use Pallas's Triton lowering (`compiler_params=CompilerParams(...)` 
 They run on an NVIDIA GPU. Anywhere else a call raises `PallasUnavailableError` unless a test opted in:
 
 - `interpret_mode()`: run them with `interpret=True` (Pallas's HLO interpreter, on CPU), and by default poison every
-  kernel output with NaN before the kernel runs, so an element the kernel never writes comes out as NaN;
+  kernel output with NaN (an integer one with its least value) before the kernel runs, so an element the kernel never
+  writes comes out as NaN;
 - `cuda_lowering()`: trace them for the CUDA platform on a machine without a GPU, for
   `jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))` checks. What is lowered this way cannot run here.
 
@@ -127,7 +128,12 @@ def call(
     )
 
     def run(*args: jax.Array) -> tuple[jax.Array, ...]:
-        poison = [jnp.full(out_shape[i].shape, jnp.nan, out_shape[i].dtype) for i in poisoned]
+        poison = [jnp.full(out_shape[i].shape, _poison(out_shape[i].dtype), out_shape[i].dtype) for i in poisoned]
         return fn(*args, *poison)
 
     return run
+
+
+def _poison(dtype) -> float | int:
+    """What an unwritten output element holds in interpret mode: NaN, or for integers their least value."""
+    return jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min

@@ -57,15 +57,27 @@ def takes_decode_attention(head_dim: int, cache_len: int) -> bool:
 
 
 def decode_attention(
-    q: Array, k: Array, v: Array, pad: Array, slot: Array | int, scale: float, *, config: AttentionConfig | None = None
-) -> Array:
-    """q (b, kv, rep, hd): one query per row at cache slot `slot`; k and v (b, kv, S, hd): the cache; pad (b,): each
-    row's padding slots. Returns (b, kv, rep, hd) in q's dtype."""
+    q: Array,
+    k: Array,
+    v: Array,
+    pad: Array,
+    slot: Array | int,
+    scale: float,
+    *,
+    new_kv: tuple[Array, Array] | None = None,
+    config: AttentionConfig | None = None,
+) -> tuple[Array, Array, Array]:
+    """q (b, kv, rep, hd): one query per row at cache slot `slot` (a scalar or a (1,) array); k and v (b, kv, S, hd):
+    the cache; pad (b,): each row's padding slots. new_kv: this token's key and value (b, kv, hd), written into the
+    cache at `slot` by the kernel (in place under donation) and attended to. Returns (out (b, kv, rep, hd) in q's
+    dtype, k, v)."""
     b, kv, rep, hd = q.shape
     S = k.shape[2]
     if k.shape != (b, kv, S, hd) or v.shape != k.shape or pad.shape != (b,):
         raise ValueError(f"decode_attention: q {q.shape}, k {k.shape}, v {v.shape} and pad {pad.shape} must be "
                          f"(b, kv, rep, hd), (b, kv, S, hd) twice and (b,)")  # fmt: skip
+    if new_kv is not None and any(t.shape != (b, kv, hd) for t in new_kv):
+        raise ValueError(f"decode_attention: new_kv must be two (b, kv, hd) = {(b, kv, hd)}")
     if not takes_decode_attention(hd, S):
         raise ValueError(f"decode_attention: head_dim {hd} must be a power of two >= 16 and the cache >= 16 slots")
     if config is not None and not isinstance(config, AttentionConfig):
@@ -73,10 +85,18 @@ def decode_attention(
     cfg = config or AttentionConfig()
     block = min(cfg.block_k, 1 << (S.bit_length() - 1))  # a power of two within the cache
     splits = _floor_pow2(min(cfg.splits or -(-PROGRAMS // (b * kv)), -(-S // block)))  # loaded whole to combine
-    kernel = functools.partial(_split_kernel, rep=rep, block=block, splits=splits, scale=float(scale))
+    writes = new_kv is not None
+    kernel = functools.partial(_split_kernel, rep=rep, block=block, splits=splits, scale=float(scale), writes=writes)
     rows = lambda *shape: pl.BlockSpec((None, None, *shape), lambda i, j, *_: (i, j) + (0,) * len(shape))  # noqa: E731
     split = lambda *shape: pl.BlockSpec((None, None, None, *shape), lambda i, j, s: (i, j, s) + (0,) * len(shape))  # noqa
-    m, norm, acc = _call.call(
+    out_specs = [split(rep), split(rep), split(rep, hd)] + [rows(S, hd)] * 2 * writes
+    out_shape = [
+        jax.ShapeDtypeStruct((b, kv, splits, rep), F32),
+        jax.ShapeDtypeStruct((b, kv, splits, rep), F32),
+        jax.ShapeDtypeStruct((b, kv, splits, rep, hd), F32),
+    ] + [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)] * writes
+    slot = jnp.asarray(slot, jnp.int32)
+    m, norm, acc, *cache = _call.call(
         kernel,
         name="decode_attention",
         grid=(b, kv, splits),
@@ -86,17 +106,15 @@ def decode_attention(
             rows(S, hd),
             pl.BlockSpec((None,), lambda i, j, s: (i,)),
             pl.BlockSpec((None,), lambda i, j, s: (0,)),
-        ],  # fmt: skip
-        out_specs=[split(rep), split(rep), split(rep, hd)],
-        out_shape=[
-            jax.ShapeDtypeStruct((b, kv, splits, rep), F32),
-            jax.ShapeDtypeStruct((b, kv, splits, rep), F32),
-            jax.ShapeDtypeStruct((b, kv, splits, rep, hd), F32),
-        ],
+        ]
+        + [rows(hd)] * 2 * writes,  # fmt: skip
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={1: 3, 2: 4} if writes else None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-    )(q, k, v, pad.astype(jnp.int32), jnp.asarray(slot, jnp.int32).reshape(1))
-    return _call.call(
+    )(q, k, v, pad.astype(jnp.int32), slot if slot.shape == (1,) else slot.reshape(1), *(new_kv or ()))
+    out = _call.call(
         functools.partial(_combine_kernel, rep=rep),
         name="decode_attention_combine",
         grid=(b, kv),
@@ -106,13 +124,17 @@ def decode_attention(
         num_warps=cfg.num_warps,
         num_stages=1,
     )(m, norm, acc)[0]
+    return (out, *cache) if writes else (out, k, v)
 
 
 def _floor_pow2(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
-def _split_kernel(q_ref, k_ref, v_ref, pad_ref, slot_ref, m_ref, norm_ref, acc_ref, *, rep, block, splits, scale):
+def _split_kernel(*refs, rep, block, splits, scale, writes):
+    q_ref, k_ref, v_ref, pad_ref, slot_ref = refs[:5]
+    new_k, new_v = (refs[5][...], refs[6][...]) if writes else (None, None)
+    m_ref, norm_ref, acc_ref = refs[5 + 2 * writes : 8 + 2 * writes]
     split = pl.program_id(2)
     S = k_ref.shape[0]
     slot, pad = slot_ref[...], pad_ref[...]
@@ -120,12 +142,23 @@ def _split_kernel(q_ref, k_ref, v_ref, pad_ref, slot_ref, m_ref, norm_ref, acc_r
     per = (filled + splits - 1) // splits
     first, last = split * per, jnp.minimum((split + 1) * per, filled)
     queries = [q_ref[r, :].astype(F32) for r in range(rep)]
+    if writes:  # one program writes the token's key and value; every program reads them from here, not the cache,
+        k_out_ref, v_out_ref = refs[-2:]  # so no read races the write
+
+        @pl.when(split == 0)
+        def _():
+            k_out_ref[slot, :] = new_k
+            v_out_ref[slot, :] = new_v
 
     def step(j, carry):
         start = jnp.minimum(j * block, S - block)  # a last block past the cache is shifted back, its seen slots masked
         slots = start + lax.broadcasted_iota(jnp.int32, (block,), 0)
         keep = (slots >= j * block) & (slots <= slot) & (slots >= pad)
         keys, values = k_ref[pl.ds(start, block), :].astype(F32), v_ref[pl.ds(start, block), :].astype(F32)
+        if writes:
+            fresh = (slots == slot)[:, None]
+            keys = jnp.where(fresh, new_k.astype(F32)[None, :], keys)
+            values = jnp.where(fresh, new_v.astype(F32)[None, :], values)
         out = []
         for query, (m, norm, acc) in zip(queries, carry):
             scores = jnp.where(keep, jnp.sum(keys * query[None, :], axis=1) * scale, MASKED)

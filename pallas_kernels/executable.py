@@ -15,8 +15,9 @@ runs inside a CUDA graph (an XLA command buffer), how many times a run launches 
 - Bytes and FLOPs are XLA's `HloCostAnalysis` of each fusion alone (a module holding just that fusion, so that a
   fusion reading a slice of a parameter is charged for the slice); a parameter the fusion only gathers from is
   charged for the rows gathered, not the whole operand as the cost analysis does. A cuBLAS GEMM is charged 2·M·N·K
-  FLOPs and its operands and result; a device copy twice its size; a Pallas (Triton) call its operands and results,
-  and no FLOPs: XLA cannot see into it (`flops_known=False`).
+  FLOPs and its operands and result; a device copy twice its size; a Pallas (Triton) call its operands and results
+  (of an operand it reads by index, `INDEXED_OPERANDS`, the rows' share), and no FLOPs: XLA cannot see into it
+  (`flops_known=False`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class Launch:
         return self.bytes if self.name.startswith("collective-permute") else (n - 1) / n * self.bytes
 
 
+# Pallas kernels that read an operand by index: kernel name -> (the stacked operand, the index operand). The routed
+# experts' kernels take the whole stack (E, in, out) and read the rows' experts in place.
+INDEXED_OPERANDS = {"experts_up": (1, 2), "experts_down": (1, 2)}
+
+
 def launches(lowered, compiler_options: dict[str, Any] | None = None) -> list[Launch]:
     """Compile `lowered` (a `jax.stages.Lowered` for a GPU, see `pallas_kernels.aot`) and list its launches."""
     with tempfile.TemporaryDirectory() as dump:
@@ -108,15 +114,16 @@ def summary(items: list[Launch]) -> dict[str, Any]:
 
 def layer_split(cfg: Any, totals: Callable[[Any], dict[str, float]]) -> dict[str, dict[str, float]]:
     """A step's totals split into one layer of each kind the model config `cfg` has and the rest ({"mamba layer": ...,
-    "rest": ...}), from `totals` of models of the first kind's one layer and of it and one layer of each kind: their
-    difference is that layer, what one layer leaves is the embedding, head and sampler."""
+    "rest": ...}), from `totals` of models of two layers of the first kind and of those and one layer of each kind:
+    their difference is that layer, what two layers leave is the embedding, head and sampler. Two, not one: what a
+    program does once from its second layer on (a copy of the cache's index, read by the later layers) is the rest's."""
     kinds = tuple(sorted(set(cfg.layer_types), key=cfg.layer_types.index))
-    base = totals(cfg.replace(layer_types=kinds[:1]))
+    base = totals(cfg.replace(layer_types=kinds[:1] * 2))
     parts = {}
     for kind in kinds:
-        more = totals(cfg.replace(layer_types=(kinds[0], kind)))
+        more = totals(cfg.replace(layer_types=(kinds[0], kinds[0], kind)))
         parts[f"{kind} layer"] = {k: more[k] - base[k] for k in base}
-    parts["rest"] = {k: base[k] - parts[f"{kinds[0]} layer"][k] for k in base}
+    parts["rest"] = {k: base[k] - 2 * parts[f"{kinds[0]} layer"][k] for k in base}
     return parts
 
 
@@ -179,7 +186,7 @@ class _Hlo:
             nbytes = shape_bytes(result) + sum(shape_bytes(self.instructions[o][0]) for o in operands)
             return "gemm", nbytes, 2.0 * math.prod(int(d) for d in out_dims.split(",") if d) * k, True
         if opcode == "custom-call" and "triton" in attrs:
-            return "pallas", io_bytes, 0.0, False
+            return "pallas", io_bytes - self._indexed_unread(operands, self.sources.get(name, "")), 0.0, False
         if opcode == "copy":
             return "copy", 2.0 * shape_bytes(shape), 0.0, True
         if opcode.removesuffix("-start") in COLLECTIVES:  # its payload: what it reduces, gathers or sends
@@ -188,6 +195,17 @@ class _Hlo:
         if opcode.endswith("-done"):  # waits for its start: no kernel of its own
             return "wait", 0.0, 0.0, True
         return "kernel", io_bytes, 0.0, False
+
+    def _indexed_unread(self, operands: list[str], source: str) -> float:
+        """Bytes of a Pallas call's operands that it reads only where an index operand points (`INDEXED_OPERANDS`):
+        of stacked matrices (E, ...), all but the rows' experts (at most min(rows, E) of them). source: its op_name."""
+        found = re.search(r"(\w+)/pallas_call$", source)
+        if not found or found.group(1) not in INDEXED_OPERANDS:
+            return 0.0
+        stacked, index = (self.instructions[operands[i]][0] for i in INDEXED_OPERANDS[found.group(1)])
+        experts = int(re.search(r"\[(\d+)", stacked).group(1))
+        rows = math.prod(int(d) for d in re.search(r"\[([\d,]*)\]", index).group(1).split(",") if d)
+        return shape_bytes(stacked) * (1 - min(rows, experts) / experts)
 
     def group_size(self, name: str) -> int:
         """The devices each group of collective `name` spans: `{{0,1},{2,3}}`, `[groups,size]<=[...]`, or

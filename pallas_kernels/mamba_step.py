@@ -80,7 +80,7 @@ def mamba_step(
     bp = min(cfg.block_p, p)
     width = zxbcdt.shape[1]
     bias = jnp.zeros((conv_dim,), F32) if conv_bias is None else conv_bias
-    mask = jnp.ones((b,), F32) if token_mask is None else token_mask.astype(F32)
+    mask = jnp.ones((b,), jnp.bool_) if token_mask is None else token_mask  # read as it is: a cast is a launch
     slot = jnp.asarray(slot, jnp.int32).reshape(1)
     kernel = functools.partial(_step_kernel, heads=h, groups=groups, head_dim=p, state_dim=n, limit=limit)
     head = pl.BlockSpec((None,), lambda i, j, k: (j,))
@@ -150,7 +150,7 @@ def _step_kernel(row_ref, dt_ref, ring_ref, slot_ref, w_ref, bias_ref, dt_bias_r
     slot = slot_ref[...]
     K = ring_ref.shape[0]
     dtype = row_ref.dtype
-    mask = mask_ref[...]
+    real = mask_ref[...]
 
     def conv(channel: Array, size: int) -> tuple[Array, Array]:
         """This token's conv input on channels [channel, channel + size) of x B C, and silu(conv), rounded as the
@@ -165,7 +165,7 @@ def _step_kernel(row_ref, dt_ref, ring_ref, slot_ref, w_ref, bias_ref, dt_bias_r
             term = tap.astype(F32) * w_ref[t, pl.ds(channel, size)].astype(F32)
             out = term if out is None else out + term
         out = out + bias_ref[pl.ds(channel, size)].astype(F32)
-        return cur, (jax.nn.silu(out) * mask).astype(dtype).astype(F32)
+        return cur, jnp.where(real, jax.nn.silu(out), 0.0).astype(dtype).astype(F32)
 
     rows = j * head_dim + k * bp
     x_in, x = conv(rows, bp)

@@ -162,12 +162,15 @@ def test_profile_splits_device_time_by_kernel_category_and_idle_gaps():
         ("input_reduce_fusion.22", 22, 2, {"tf_op": "jit(decode_step)/reduce_sum"}),
         ("MemcpyD2H", 30, 1, {}),  # 6 us idle before it
         ("flash_fwd_kernel", 24, 3, {}),  # out of order, inside the gap: 3 of its 6 us busy
+        # the Pallas decode kernels, named after their functions
+        ("mamba_step", 31, 1, {}), ("decode_attention", 32, 1, {}), ("rms_norm", 33, 1, {}), ("route", 34, 1, {}),
+        ("experts_up", 35, 1, {}),
     ])  # fmt: skip
     got = split(trace)
-    assert got["kernels"] == 7  # the stream's, not the derived op line's or the host's
-    assert got["GEMM"] == pytest.approx(14e-6) and got["SSD"] == pytest.approx(5e-6)
-    assert got["MoE routing"] == pytest.approx(1e-6) and got["norm/elementwise"] == pytest.approx(2e-6)
-    assert got["attention"] == pytest.approx(3e-6) and got["copies"] == pytest.approx(1e-6)
+    assert got["kernels"] == 12  # the stream's, not the derived op line's or the host's
+    assert got["GEMM"] == pytest.approx(15e-6) and got["SSD"] == pytest.approx(6e-6)
+    assert got["MoE routing"] == pytest.approx(2e-6) and got["norm/elementwise"] == pytest.approx(3e-6)
+    assert got["attention"] == pytest.approx(4e-6) and got["copies"] == pytest.approx(1e-6)
     assert got["idle gaps"] == pytest.approx((2 + 3) * 1e-6)
 
 

@@ -35,9 +35,15 @@ from pallas_kernels import (
     PrefillConfig,
     _call,
     decode_attention,
+    experts_down,
+    experts_up,
     mamba_step,
+    residual_rms_norm,
+    rms_norm,
+    route,
     ssd_decode,
     ssd_prefill,
+    top_k,
 )
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 2e-2}
@@ -312,6 +318,7 @@ def test_decode_applies_dt_bias_softplus_and_limit_in_kernel():
 
 # ---------------------------------------------------------------------------------------------- the fused Mamba step
 
+PLAIN_RMS_NORM = model.rms_norm.__wrapped__  # the model's definition, whatever backend runs
 STEP_CASES = {
     # name: (b, h, p, g, n, dtype, block_p, slot, conv bias, dt limit): p of two blocks, a ring that wraps, a masked row
     "groups_two_blocks_f32": (2, 4, 32, 2, 16, jnp.float32, 16, 6, True, (0.0, math.inf)),
@@ -343,8 +350,8 @@ def _mixer_step64(cfg, weights, inputs, slot, monkeypatch):
     """The model's mixer (`MambaMixer.mix`, plain JAX) in float64: (the gated values it normalizes, normed y, ring,
     state)."""
     gated = []
-    norm = model.group_rms_norm
-    monkeypatch.setattr(model, "group_rms_norm", lambda x, *a: (gated.append(x), norm(x, *a))[1])
+    norm = model.rms_norm
+    monkeypatch.setattr(model, "rms_norm", lambda x, *a: (gated.append(x), norm(x, *a))[1])
     with jax.enable_x64(True):
         mixer = model.MambaMixer(cfg, dtype=jnp.float64, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
         for name, value in weights.items():
@@ -368,7 +375,7 @@ def test_mamba_step_is_the_mixers_float64_step(name, monkeypatch):
         gated, ring, ssm = mamba_step(zxbcdt, ring, slot, w["conv_weight"], w.get("conv_bias"), w["dt_bias"],
                                       w["A_log"], w["D"], ssm, groups=g, dt_limit=limit, token_mask=mask,
                                       config=DecodeConfig(block_p=block_p))  # fmt: skip
-        return gated, model.group_rms_norm(gated, w["weight"], g, cfg.rms_norm_eps, dtype), ring, ssm
+        return gated, PLAIN_RMS_NORM(gated, w["weight"], cfg.rms_norm_eps, g, dtype), ring, ssm
 
     with pallas_kernels.interpret_mode():
         got = jax.jit(step)(jnp.asarray(inputs["zxbcdt"][:, 0], dtype), jnp.asarray(inputs["ring"], dtype),
@@ -421,12 +428,19 @@ def test_decode_attention_is_the_models_float64_attention(name):
                ((b, kv, rep, hd), (b, kv, S, hd), (b, kv, S, hd)))  # fmt: skip
     pad, scale = jnp.asarray(pad, jnp.int32), hd**-0.5
     config = AttentionConfig(block_k=block_k, splits=splits)
+    new_kv = tuple(jnp.asarray(rng.standard_normal((b, kv, hd), np.float32), dtype) for _ in range(2))
     with pallas_kernels.interpret_mode():
-        got = jax.jit(lambda *a: decode_attention(*a, scale, config=config))(q, k, v, pad, slot)
-    with jax.enable_x64(True):
+        got, k_cache, v_cache = jax.jit(lambda *a: decode_attention(*a[:5], scale, new_kv=a[5:], config=config))(
+            q, k, v, pad, slot, *new_kv
+        )
+    with jax.enable_x64(True):  # the model's own: the token's key and value into the cache, then attention
         pos = model.Positions(jnp.asarray([slot]), pad)
         cache = model.KVState(*map(_f64, (k, v)))
-        want = model.attend_cache.__wrapped__(_f64(q)[:, None], cache, pos, scale)[:, 0]
+        k_new, v_new = (_f64(t)[:, :, None] for t in new_kv)
+        want, want_cache = model.cache_and_attend.__wrapped__(_f64(q)[:, None], k_new, v_new, cache, pos, scale)
+        want = want[:, 0]
+    np.testing.assert_array_equal(np.asarray(k_cache, np.float64), np.asarray(want_cache.k))  # written in place
+    np.testing.assert_array_equal(np.asarray(v_cache, np.float64), np.asarray(want_cache.v))
     assert got.shape == q.shape and got.dtype == dtype
     assert np.all(np.isfinite(np.asarray(got, np.float32))), "a row with no key to attend must stay finite"
     rows = np.asarray(pad) <= slot  # a row with no key averages the values it visits, as the model's: which differ
@@ -438,10 +452,126 @@ def test_decode_attention_rejects_bad_arguments():
     q, kv = jnp.zeros((1, 2, 3, 16)), jnp.zeros((1, 2, 32, 16))
     with pytest.raises(ValueError, match="must be \\(b, kv, rep, hd\\)"):
         decode_attention(q, kv[:, :1], kv, jnp.zeros(1, jnp.int32), 0, 1.0)
+    with pytest.raises(ValueError, match="new_kv must be two \\(b, kv, hd\\)"):
+        decode_attention(q, kv, kv, jnp.zeros(1, jnp.int32), 0, 1.0, new_kv=(q[:, :, 0], q[:, :, 0, :8]))
     with pytest.raises(ValueError, match="head_dim 12 must be a power of two"):
         decode_attention(q[..., :12], kv[..., :12], kv[..., :12], jnp.zeros(1, jnp.int32), 0, 1.0)
     with pytest.raises(ValueError, match="AttentionConfig.block_k=8"):
         AttentionConfig(block_k=8)
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+NORM_CASES = {
+    # name: (rows, dim, groups, x dtype, weight dtype, out dtype): h-tiny's hidden norm in bf16 (three chunks of 512),
+    # its gated norm (float32 in, bfloat16 out), groups of 48 channels (three chunks of 16)
+    "hidden_bf16": (3, 1536, 1, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    "gated_f32_to_bf16": (2, 3072, 1, jnp.float32, jnp.bfloat16, jnp.bfloat16),
+    "groups_f32": (2, 96, 2, jnp.float32, jnp.float32, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", NORM_CASES)
+def test_rms_norm_is_the_models_float64_norm(name):
+    R, D, groups, x_dtype, w_dtype, dtype = NORM_CASES[name]
+    seed = _seed(f"rms_norm/{name}")
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((R, D), np.float32) * 3.0, x_dtype)
+    w = jnp.asarray(1.0 + 0.2 * rng.standard_normal(D, np.float32), w_dtype)
+    with pallas_kernels.interpret_mode():
+        got = jax.jit(lambda x, w: rms_norm(x, w, 1e-5, groups=groups, dtype=dtype))(x, w)
+    with jax.enable_x64(True):
+        want = PLAIN_RMS_NORM(_f64(x), _f64(w), 1e-5, groups, jnp.float64)
+    assert got.dtype == dtype and got.shape == (R, D)
+    # float32: sums over a group; 16-bit: the normed values rounded to it, then the product
+    assert _rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 1e-2), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_residual_rms_norm_is_the_models_float64_add_and_norm(dtype):
+    seed = _seed(f"residual_rms_norm/{jnp.dtype(dtype).name}")
+    rng = np.random.default_rng(seed)
+    x, update = (jnp.asarray(rng.standard_normal((3, 1536), np.float32) * 2.0, dtype) for _ in range(2))
+    w = jnp.asarray(1.0 + 0.2 * rng.standard_normal(1536, np.float32), dtype)
+    with pallas_kernels.interpret_mode():
+        stream, y = jax.jit(lambda x, u, w: residual_rms_norm(x, u, 0.22, w, 1e-5))(x, update, w)
+    with jax.enable_x64(True):
+        want_stream, want_y = model.residual_rms_norm.__wrapped__(_f64(x), _f64(update), 0.22, _f64(w), 1e-5)
+    assert stream.dtype == y.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # 16-bit: the update and the sum rounded to it, as the model rounds
+    assert _rel_err(stream, want_stream) < tol and _rel_err(y, want_y) < 10 * tol, f"seed {seed}"
+
+
+def test_rms_norm_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="weight must be \\(64,\\)"):
+        rms_norm(jnp.zeros((1, 64)), jnp.zeros(32), 1e-5)
+    with pytest.raises(ValueError, match="3 groups of 64 channels"):
+        rms_norm(jnp.zeros((1, 64)), jnp.zeros(64), 1e-5, groups=3)
+
+
+# ---------------------------------------------------------------------------------------------- the router's top-k
+
+
+@pytest.mark.parametrize("experts, k", [(64, 6), (32, 8), (8, 8)])  # h-tiny's, and all of the experts
+def test_top_k_is_lax_top_k(experts, k):
+    seed = _seed(f"top_k/{experts}/{k}")
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((5, experts), np.float32)
+    logits[1, :] = 0.5  # every expert equal: the lower ones first
+    logits[2, ::3] = logits[2, 1]  # ties among the largest
+    logits[3, :k] = -np.inf  # -inf logits are still experts
+    with pallas_kernels.interpret_mode():
+        values, indices = jax.jit(lambda x: top_k(x, k))(jnp.asarray(logits))
+    want_values, want_indices = jax.lax.top_k(jnp.asarray(logits), k)
+    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values), err_msg=f"seed {seed}")
+    with pytest.raises(ValueError, match=f"k={experts + 1} of {experts} experts: k must be in \\[1, E\\]"):
+        top_k(jnp.asarray(logits), experts + 1)
+    with pytest.raises(ValueError, match="E a power of two"):
+        top_k(jnp.zeros((1, 72)), 10)  # h-small's 72 experts: XLA's top-k
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_route_is_the_models_float64_router_and_top_k(dtype):
+    seed = _seed(f"route/{jnp.dtype(dtype).name}")
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((3, 1536), np.float32), dtype)  # h-tiny: 1536 channels, 64 experts, top 6
+    w = jnp.asarray(rng.standard_normal((64, 1536), np.float32) * 0.05, dtype)
+    with pallas_kernels.interpret_mode():
+        values, indices = jax.jit(lambda x, w: route(x, w, 6))(x, w)
+    with jax.enable_x64(True):
+        logits = np.asarray(model.widened(model.linear.__wrapped__(_f64(x), _f64(w))))
+    picked = np.take_along_axis(logits, np.asarray(indices), axis=1)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # 16-bit: the logits rounded to it, as the model's product is
+    assert _rel_err(values, picked) < tol, f"seed {seed}"  # each value is its expert's logit
+    want = np.sort(logits, axis=1)[:, ::-1][:, :6]
+    assert _rel_err(values, want) < tol, f"seed {seed}"  # and they are the six largest, largest first
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(np.asarray(indices), np.argsort(-logits, axis=1, kind="stable")[:, :6])
+
+
+# ---------------------------------------------------------------------------------------------- routed experts
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_experts_are_the_models_float64_experts(dtype):
+    seed = _seed(f"experts/{jnp.dtype(dtype).name}")
+    rng = np.random.default_rng(seed)
+    E, H, F, N = 4, 256, 128, 3  # two blocks of input channels each way, experts repeated and unused
+    x = jnp.asarray(rng.standard_normal((N, H), np.float32), dtype)
+    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F), np.float32) * 0.1, dtype)
+    w_out = jnp.asarray(rng.standard_normal((E, F, H), np.float32) * 0.1, dtype)
+    chosen = jnp.asarray([[3, 0], [3, 1], [0, 3]], jnp.int32)  # two experts a token
+    with pallas_kernels.interpret_mode():
+        got = jax.jit(lambda x, w_in, e, w_out: experts_down(experts_up(x, w_in, e), w_out, e.reshape(-1)))(
+            x, w_in, chosen, w_out
+        )
+    with jax.enable_x64(True):
+        want = model.experts_swiglu.__wrapped__(_f64(x), chosen, _f64(w_in), _f64(w_out), None, None)
+    got = got.reshape(N, 2, H)
+    assert got.dtype == dtype
+    # float32: sums of a few hundred products; 16-bit: the products and the SwiGLU rounded to it, as the model's are
+    assert _rel_err(got, want) < (1e-5 if dtype == jnp.float32 else 3e-2), f"seed {seed}"
 
 
 # ---------------------------------------------------------------------------------------------- platform
@@ -523,7 +653,7 @@ def _attention_structs(b, kv, rep, hd, S, dtype):
 
 
 def _attention_fn(q, k, v, pad, slot):
-    return decode_attention(q, k, v, pad, slot, 0.0078125)
+    return decode_attention(q, k, v, pad, slot, 0.0078125, new_kv=(q[:, :, 0], q[:, :, 1]))
 
 
 def _prefill_fn(chunk):
@@ -545,6 +675,10 @@ def test_kernels_lower_for_cuda(dims, dtype):
         prefill = prefill.lower(lowering_platforms=("cuda",)).as_text()
         decode = jax.jit(ssd_decode, donate_argnums=0).trace(*_decode_structs(b, h, p, g, n, dtype))
         decode = decode.lower(lowering_platforms=("cuda",)).as_text()
+        norm = jax.jit(lambda x, w: rms_norm(x, w, 1e-5)).trace(
+            *(jax.ShapeDtypeStruct(s, dtype) for s in ((b, 1536), (1536,)))
+        )
+        assert _triton_calls(norm.lower(lowering_platforms=("cuda",)).as_text()) == 1
         attention = jax.jit(_attention_fn).trace(*_attention_structs(b, 4, 3, 128, 1024, dtype))
         attention = attention.lower(lowering_platforms=("cuda",)).as_text()
         step = jax.jit(_step_fn(g), donate_argnums=(1, 8)).trace(*_step_structs(b, h, p, g, n, dtype))
@@ -552,6 +686,8 @@ def test_kernels_lower_for_cuda(dims, dtype):
     assert _triton_calls(prefill) == 3, "prefill: the local-state, pass and output kernels, all Triton custom calls"
     assert _triton_calls(decode) == 1 and _triton_calls(step) == 1
     assert _triton_calls(attention) == 2, "decode attention: the split and combine kernels"
+    in_place = ("output_tuple_indices = [3], operand_index = 1", "output_tuple_indices = [4], operand_index = 2")
+    assert all(alias in attention for alias in in_place), "decode attention must write the cache in place"
     assert "output_operand_aliases" in decode, "decode must update the state in place"
     in_place = ("output_tuple_indices = [1], operand_index = 2", "output_tuple_indices = [2], operand_index = 10")
     assert all(alias in step for alias in in_place), "the Mamba step must update the ring and the state in place"

@@ -2,7 +2,7 @@
 
 Covers the prefill kernels (a prompt longer than a chunk and not a multiple of it, groups, an initial state when
 prefilling a second segment from the cache) and the decode kernels (single-token steps through the cache: the fused
-Mamba step and decode attention). Also: the
+Mamba step, decode attention and the norms). Also: the
 Generator's prefill and decode steps lower for CUDA with no CPU kernel left in them.
 """
 
@@ -43,6 +43,9 @@ TINY = ModelConfig(
     # resolution, so the kernels would go unchecked. At this scale they carry the output.
     initializer_range=0.3,
 )
+# With routed experts, at dims the router's and experts' kernels take (multiples of 128).
+TINY_MOE = TINY.replace(hidden_size=128, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                        mamba_n_heads=8, mamba_d_head=32)  # fmt: skip
 
 
 def _rel_err(a, b) -> float:
@@ -64,10 +67,11 @@ def _prefill_then_decode(model, prompt, second, steps):
     return first, middle, jnp.concatenate(decoded, axis=1), cache.layers[0].ssm
 
 
-def test_pallas_model_equals_xla():
-    xla = Granite(TINY, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("cfg", [TINY, TINY_MOE], ids=["dense", "moe"])
+def test_pallas_model_equals_xla(cfg):
+    xla = Granite(cfg, rngs=nnx.Rngs(0))
     pallas = with_runtime(xla, Runtime(ssd="pallas"))
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, TINY.vocab_size, (2, 40 + 9 + 2)))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40 + 9 + 2)))
     prompt, second, steps = tokens[:, :40], tokens[:, 40:49], tokens[:, 49:]
 
     want = _prefill_then_decode(xla, prompt, second, steps)
@@ -104,19 +108,24 @@ def test_generation_steps_lower_for_cuda(ssd_impl, dtype, weight_dtype):
     # (batch 1: the decode products go to the matrix-vector kernel on CPUs) must give way to its XLA version
     # (`lax.platform_dependent`), and with "pallas" the SSD runs as Triton calls (three per Mamba layer in prefill;
     # in decode one per Mamba layer, the fused mixer step).
-    cfg = TINY.replace(num_local_experts=4, num_experts_per_tok=2)
+    cfg = TINY_MOE
     mamba_layers = cfg.layer_types.count("mamba")
     steps = _generation_steps(cfg, ssd_impl, dtype, weight_dtype, prompt_len=40, cache_len=64)
     with pallas_kernels.cuda_lowering():
         for name, (fn, args) in steps.items():
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "granite_" not in text, f"{name}: a CPU kernel in the CUDA program"
-            # prefill: the SSD's three kernels per Mamba layer; decode: the fused step per Mamba layer, attention's
-            # split and combine kernels per attention layer
-            triton = 3 * mamba_layers if name == "prefill" else mamba_layers + 2 * (len(cfg.layer_types) - mamba_layers)
+            # prefill: the SSD's three kernels per Mamba layer, per layer the router (40 rows, as few as decoding's;
+            # their 80 routed rows are not), and the final norm of the last position; decode: per Mamba layer the
+            # fused step and its gated norm, per attention layer attention's split and combine kernels, per layer
+            # two norms, the router and the experts' two, and the final norm
+            layers = len(cfg.layer_types)
+            decode = 2 * mamba_layers + 2 * (layers - mamba_layers) + 5 * layers + 1
+            triton = 3 * mamba_layers + layers + 1 if name == "prefill" else decode
             assert text.count("__gpu$xla.gpu.triton") == (triton if ssd_impl == "pallas" else 0)
+            kernels = ("mamba_step", "decode_attention", "rms_norm", "residual_rms_norm", "route", "experts_up")
             if ssd_impl == "pallas" and name == "decode":
-                assert "ssd_decode" not in text and "mamba_step" in text and "decode_attention" in text
+                assert "ssd_decode" not in text and all(k in text for k in kernels)
 
 
 @pytest.mark.slow(15)
