@@ -51,7 +51,7 @@ class Runtime:
 
     ssd: the SSD implementation: "xla" (chunked, einsum contractions), "naive" (broadcast products and sums, the
     rewriter's input) or "pallas" (Triton kernels, NVIDIA GPUs only: the SSD, and in decode the Mamba mixer's whole
-    step and attention over the KV cache).
+    step, attention over the KV cache, the norms, the router and the experts).
     kernels: use the platform's kernel backend where it runs (on CPUs: `granite_jax.cpu`). The kernels are for
     inference: differentiate with kernels=False.
     pack_weights: let the kernel backend keep copies of the weights in its own layout (on CPUs: for decode steps of

@@ -82,6 +82,11 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing n, at most `cap`: the chunk a dimension is read in without a ragged end."""
+    return min(n & -n, cap)
+
+
 def padded_dim(n: int) -> int:
     """Head or state dims the kernels accept: a power of two, at least 16 (Triton `tt.dot` needs M, N, K >= 16)."""
     return max(16, next_pow2(n))

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _call
-from pallas_kernels._common import F32, Array
+from pallas_kernels._common import F32, Array, pow2_divisor
 
 MAX_CHUNK = 2048  # channels a program holds at once
 
 
 def norm_chunk(group: int) -> int:
     """The chunk a group of `group` channels is read in: the largest power of two dividing it, at most MAX_CHUNK."""
-    return min(group & -group, MAX_CHUNK)
+    return pow2_divisor(group, MAX_CHUNK)
 
 
 def takes_rms_norm(dim: int, groups: int = 1) -> bool:

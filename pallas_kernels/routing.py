@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _call
-from pallas_kernels._common import F32, Array
+from pallas_kernels._common import F32, Array, pow2_divisor
 
 ROUTE_CHUNK = 128  # hidden channels of the router read at once: (E, 128) in registers
 
@@ -58,7 +58,7 @@ def route(x: Array, w: Array, k: int) -> tuple[Array, Array]:
     if w.shape != (E, H) or not takes_route(H, E) or not 1 <= k <= E:
         raise ValueError(f"route: x {x.shape}, w {w.shape}, k={k}: w must be (E, H) with E a power of two, H a "
                          f"multiple of 16 and k in [1, E]")  # fmt: skip
-    kernel = functools.partial(_route_kernel, chunk=min(ROUTE_CHUNK, H & -H), k=k)
+    kernel = functools.partial(_route_kernel, chunk=pow2_divisor(H, ROUTE_CHUNK), k=k)
     return tuple(
         _call.call(
             kernel,
@@ -75,7 +75,7 @@ def route(x: Array, w: Array, k: int) -> tuple[Array, Array]:
 
 def takes_route(hidden: int, experts: int) -> bool:
     """Whether `route` runs these dims: `takes_top_k`'s experts, and the hidden size in chunks of at least 16."""
-    return takes_top_k(experts) and min(ROUTE_CHUNK, hidden & -hidden) >= 16
+    return takes_top_k(experts) and pow2_divisor(hidden, ROUTE_CHUNK) >= 16
 
 
 def _route_kernel(x_ref, w_ref, values_ref, indices_ref, *, chunk, k):
